@@ -1,0 +1,33 @@
+# make setup   create .venv with the pinned environment (once; again when pyproject.toml changes)
+# make course  run every notebook headless, in order, into build/notebooks
+# make test    pytest: package, scripts under torchrun, notebook sync, nbval
+# make lab     JupyterLab on the notebooks
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup course test lab lint
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[pinned,dev]"
+	$(PY) -m ddp_course check
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+course: $(STAMP)
+	$(PY) -m ddp_course course
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(PY) -m ruff format --check .
+	$(PY) -m ruff check .
+
+lab: $(STAMP)
+	$(PY) -m pip install --quiet -e ".[lab]"
+	cd notebooks && ../$(PY) -m jupyter lab

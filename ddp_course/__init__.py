@@ -1,0 +1,9 @@
+"""ddp_course: the helper package behind the ddp-course notebooks.
+
+Modules, one concern each: ``runtime`` (ranks, devices, process groups,
+logging), ``launch`` (torchrun from notebooks and tests), ``data`` (MNIST and
+synthetic data), ``models``, ``engine`` (train and exact evaluation),
+``checkpoint``.
+"""
+
+__version__ = "0.1.0"

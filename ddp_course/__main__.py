@@ -1,0 +1,136 @@
+"""Command line: ``python -m ddp_course {check,course,execute}``.
+
+- ``check``: versions, devices, backends and the data set that will be used.
+- ``course``: execute every notebook in order, headless, into ``build/``,
+  with a progress bar and a pass/fail summary (exit code 1 if any failed).
+- ``execute NB...``: re-execute notebooks top to bottom and store their
+  outputs in place (for authors: committed outputs come from a clean run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import platform
+import sys
+import time
+from collections.abc import Sequence
+
+NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
+
+
+def check() -> int:
+    """Print the environment; return 1 if torch and torchvision do not work together."""
+    import torch
+    import torch.distributed as dist
+
+    from .data import load_mnist
+    from .runtime import pick_backend, pick_device
+
+    print(f"python       {platform.python_version()}")
+    print(f"torch        {torch.__version__}")
+    try:
+        import torchvision
+
+        from .models import resnet18_mnist
+
+        resnet18_mnist()(torch.zeros(1, 1, 28, 28))
+        print(f"torchvision  {torchvision.__version__} (a ResNet-18 forward pass works)")
+    except Exception as exc:  # any import or operator failure means a broken pair
+        print(f"torchvision  BROKEN: {type(exc).__name__}: {exc}")
+        print("Reinstall with `make setup` (torch===X pins the index build).")
+        return 1
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    print(f"GPUs         {gpus}" + (f" ({torch.cuda.get_device_name(0)})" if gpus else ""))
+    backends = {
+        "gloo": dist.is_gloo_available(),
+        "nccl": dist.is_nccl_available(),
+        "mpi": dist.is_mpi_available(),
+    }
+    print("backends     " + ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in backends.items()))
+    device = pick_device()
+    print(f"device       {device} -> backend {pick_backend(device)}")
+    split = load_mnist("data", train=False)
+    print(f"MNIST        {split.source} ({len(split.dataset)} test digits in {split.root})")
+    return 0
+
+
+def run_notebook(path: pathlib.Path, out: pathlib.Path, timeout_s: int) -> None:
+    """Execute ``path`` top to bottom in its own folder and write it to ``out``.
+
+    Raises:
+        nbclient.exceptions.CellExecutionError: a cell raised; the executed
+            notebook up to that cell is still written to ``out``.
+    """
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(path, as_version=4)
+    client = NotebookClient(
+        nb, timeout=timeout_s, kernel_name="python3",
+        resources={"metadata": {"path": str(path.parent)}},
+    )  # fmt: skip
+    try:
+        client.execute()
+    finally:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        nbformat.write(nb, out)
+
+
+def course(paths: Sequence[pathlib.Path], out_dir: pathlib.Path | None, timeout_s: int) -> int:
+    """Execute notebooks in order; print a summary; 0 if all passed, else 1."""
+    from tqdm.auto import tqdm
+
+    rows = []
+    bar = tqdm(paths, unit="notebook")
+    for path in bar:
+        bar.set_description(path.name)
+        out = path if out_dir is None else out_dir / path.name
+        start = time.perf_counter()
+        try:
+            run_notebook(path, out, timeout_s)
+            status = "passed"
+        except Exception as exc:
+            status = f"FAILED: {type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}"
+        rows.append((path.name, time.perf_counter() - start, status))
+    bar.close()
+    width = max(len(name) for name, _, _ in rows)
+    for name, seconds, status in rows:
+        print(f"{name:<{width}}  {seconds:7.1f} s  {status}")
+    failed = sum(not status.startswith("passed") for _, _, status in rows)
+    print(f"{len(rows) - failed} passed, {failed} failed")
+    if out_dir is not None:
+        print(f"executed notebooks are in {out_dir}")
+    return 1 if failed else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m ddp_course",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("check", help="print versions, devices, backends and data")
+    run = sub.add_parser("course", help="execute all notebooks into build/notebooks")
+    run.add_argument(
+        "notebooks", nargs="*", type=pathlib.Path, help="notebooks to run (default: all, in order)"
+    )
+    run.add_argument("--out", type=pathlib.Path, default=pathlib.Path("build/notebooks"))
+    run.add_argument("--timeout", type=int, default=900, help="seconds per cell")
+    ex = sub.add_parser("execute", help="re-execute notebooks and store outputs in place")
+    ex.add_argument("notebooks", nargs="+", type=pathlib.Path)
+    ex.add_argument("--timeout", type=int, default=900, help="seconds per cell")
+    args = parser.parse_args(argv)
+    if args.command == "check":
+        return check()
+    if args.command == "course":
+        paths = args.notebooks or sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+        if not paths:
+            parser.error(f"no notebooks found in {NOTEBOOKS}")
+        return course(paths, args.out.resolve(), args.timeout)
+    return course(args.notebooks, None, args.timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""Checkpoints that work across plain, DataParallel and DDP models.
+
+Rules (https://pytorch.org/tutorials/intermediate/ddp_tutorial.html, section
+"Save and Load Checkpoints"):
+
+- save once, on rank 0, then ``barrier()`` so no rank reads a half-written
+  file; write to a temporary file and ``os.replace`` it, so a crash never
+  leaves a truncated checkpoint;
+- save the unwrapped module's state dict (no ``module.`` prefix) and strip
+  the prefix when loading one saved from a wrapper;
+- load with ``map_location`` onto this rank's device, and with
+  ``weights_only=True`` (the default since torch 2.6): store tensors and
+  plain Python values only.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import tempfile
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
+
+from .runtime import DistContext, barrier
+
+__all__ = ["load_checkpoint", "portable_state_dict", "save_checkpoint", "unwrap"]
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside ``nn.DataParallel`` / DDP wrappers (or the model itself)."""
+    while isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+        model = model.module
+    return model
+
+
+def portable_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A copy of ``state`` without the ``module.`` prefix that DP and DDP add.
+
+    Loads into a plain model; a DP or DDP model loads it into ``.module``.
+    """
+    state = dict(state)
+    consume_prefix_in_state_dict_if_present(state, "module.")
+    return state
+
+
+def save_checkpoint(
+    ctx: DistContext,
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    **extra: Any,
+) -> None:
+    """Save ``model`` (unwrapped), ``optimizer`` and ``extra`` on rank 0, atomically.
+
+    Every rank must call this (it ends in a barrier). ``extra`` holds plain
+    values such as ``epoch=3``, so the file loads with ``weights_only=True``.
+    """
+    if ctx.is_main:
+        path = pathlib.Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        payload = {"model": portable_state_dict(unwrap(model).state_dict()), **extra}
+        if optimizer is not None:
+            payload["optimizer"] = optimizer.state_dict()
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        os.close(fd)
+        try:
+            torch.save(payload, tmp)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+    barrier(ctx)
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    map_location: torch.device | str = "cpu",
+) -> dict[str, Any]:
+    """Load a checkpoint into a plain, DataParallel or DDP ``model``.
+
+    Accepts files saved by :func:`save_checkpoint` and plain state dicts
+    (with or without the ``module.`` prefix). Tensors are mapped onto
+    ``map_location`` (this rank's device) and read with ``weights_only=True``.
+
+    Returns:
+        The checkpoint's other entries (e.g. ``{"epoch": 3}``).
+
+    Raises:
+        FileNotFoundError: if ``path`` does not exist.
+        RuntimeError: if the keys or shapes do not match the model.
+    """
+    path = pathlib.Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    payload = torch.load(path, map_location=map_location, weights_only=True)
+    if "model" not in payload:
+        payload = {"model": payload}
+    unwrap(model).load_state_dict(portable_state_dict(payload.pop("model")))
+    opt_state = payload.pop("optimizer", None)
+    if optimizer is not None and opt_state is not None:
+        optimizer.load_state_dict(opt_state)
+    return payload

