@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import pathlib
 import time
 
 import torch
@@ -16,7 +18,14 @@ from tqdm.auto import tqdm
 
 from .runtime import DistContext
 
-__all__ = ["EpochStats", "TrainConfig", "evaluate", "shard_indices", "train_one_epoch"]
+__all__ = [
+    "EpochStats",
+    "TrainConfig",
+    "evaluate",
+    "shard_indices",
+    "train_one_epoch",
+    "write_results",
+]
 
 
 @dataclasses.dataclass
@@ -44,6 +53,9 @@ class TrainConfig:
     )
     max_steps: int | None = dataclasses.field(
         default=None, metadata={"help": "stop each epoch after this many steps (for tests)"}
+    )
+    dropout: bool = dataclasses.field(
+        default=True, metadata={"help": "dropout layers (off: deterministic runs to compare)"}
     )
     progress: bool = dataclasses.field(default=True, metadata={"help": "progress bar on rank 0"})
 
@@ -205,3 +217,15 @@ def evaluate(
         count += len(y)
     correct, loss_sum, count = _sum_over_ranks(ctx, correct, loss_sum, count)
     return {"accuracy": correct / count, "loss": loss_sum / count, "samples": int(count)}
+
+
+def write_results(ctx: DistContext, path: str | None, results: dict) -> None:
+    """Write ``results`` as JSON to ``path`` on rank 0 (no-op if ``path`` is None).
+
+    Values must be JSON types (numbers, strings, lists, dicts).
+    """
+    if path is None or not ctx.is_main:
+        return
+    out = pathlib.Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")

@@ -34,7 +34,7 @@ from typing import Any
 
 import psutil
 
-__all__ = ["LaunchError", "LaunchResult", "LaunchTimeout", "free_port", "torchrun"]
+__all__ = ["LaunchError", "LaunchResult", "LaunchTimeout", "free_port", "python", "torchrun"]
 
 
 class LaunchError(RuntimeError):
@@ -85,10 +85,10 @@ _PREFIX = re.compile(r"^\[[^\]]*?(\d+)\]:", re.MULTILINE)
 _RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?", re.MULTILINE)
 _FAILED_AT = re.compile(r"\[ddp_course\] rank (\d+) failed at t=([\d.]+)")
 _ROOT_RANK = re.compile(r"Root Cause.*?rank\s*:\s*(\d+)", re.DOTALL)
-_NOISE = (
-    "Setting OMP_NUM_THREADS environment variable",
-    "*****************************************",
-)
+# torchrun's own log lines (glog format: W1121 06:13:26.123 ...); the echo
+# hides its warnings and notes, the failure report keeps everything.
+_TORCHRUN_LOG = re.compile(r"^[WI]\d{4} \d\d:\d\d:\d\d")
+_TORCHRUN_BANNER = ("*****************************************", "Setting OMP_NUM_THREADS")
 
 
 def _read_rank_logs(log_dir: pathlib.Path) -> dict[int, str]:
@@ -160,6 +160,92 @@ def _kill_job(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
     proc.wait()
 
 
+def _check_script(script: str | os.PathLike) -> pathlib.Path:
+    path = pathlib.Path(script)
+    if not path.exists():
+        raise FileNotFoundError(f"no script at {path.resolve()}")
+    return path
+
+
+def _run_job(
+    cmd: list[str],
+    script: pathlib.Path,
+    nproc: int,
+    timeout_s: float,
+    env: Mapping[str, str] | None,
+    echo: bool,
+    logs_path: pathlib.Path | None,
+    results_path: pathlib.Path | None,
+) -> LaunchResult:
+    """Start ``cmd`` in a session of its own, stream it, wait, and judge it."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    start = time.perf_counter()
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=full_env,
+        text=True,
+        errors="replace",
+        start_new_session=True,  # a group of its own to signal
+    )
+    lines: list[str] = []
+
+    def pump() -> None:
+        # Read through a pipe and print from Python: output a child writes to
+        # an inherited stdout is lost under pytest/nbval.
+        assert proc.stdout is not None
+        shown = False
+        for line in proc.stdout:
+            lines.append(line)
+            if not echo or _TORCHRUN_LOG.match(line) or line.startswith(_TORCHRUN_BANNER):
+                continue
+            text = _PREFIX.sub("", line, count=1)
+            if shown or text.strip():  # drop the blank lines around torchrun's banner
+                shown = True
+                print(text, end="", flush=True)
+
+    def rank_logs() -> dict[int, str]:
+        return _read_rank_logs(logs_path) if logs_path else {0: "".join(lines)}
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        returncode = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _kill_job(proc)
+        reader.join(timeout=5)
+        raise LaunchTimeout(
+            f"{script.name} ran past its {timeout_s:g} s timeout with {nproc} "
+            "rank(s); every process of the job was killed. A hang usually means "
+            "the ranks called different collectives or different numbers of them.",
+            None, -signal.SIGKILL, rank_logs(),
+        ) from None  # fmt: skip
+    finally:
+        if proc.poll() is None:
+            _kill_job(proc)
+    reader.join(timeout=5)
+    wall_s = time.perf_counter() - start
+    output = "".join(lines)
+    logs = rank_logs()
+    if returncode != 0:
+        rank = _failing_rank(output, logs)
+        where = f"rank {rank}" if rank is not None else "an unknown rank"
+        detail = _tail_traceback(logs.get(rank, output) if rank is not None else output)
+        raise LaunchError(
+            f"{script.name} failed on {where} (exit code {returncode}).\n"
+            f"--- end of {where}'s output ---\n{detail}",
+            rank, returncode, logs,
+        )  # fmt: skip
+    data = None
+    if results_path is not None:
+        if not results_path.exists():
+            raise LaunchError(f"{script.name} exited cleanly but wrote no --results file",
+                              None, 0, logs)  # fmt: skip
+        data = json.loads(results_path.read_text())
+    return LaunchResult(returncode, output, logs, data, wall_s)
+
+
 def torchrun(
     script: str | os.PathLike,
     args: Sequence[str] = (),
@@ -197,14 +283,12 @@ def torchrun(
         LaunchError: a rank failed; the message names it and shows its
             traceback.
     """
-    script = pathlib.Path(script)
-    if not script.exists():
-        raise FileNotFoundError(f"no script at {script.resolve()}")
+    path = _check_script(script)
     if nproc < 1:
         raise ValueError(f"nproc must be at least 1, not {nproc}")
     with tempfile.TemporaryDirectory(prefix="ddp_course_") as tmp:
         logs_path = pathlib.Path(log_dir) if log_dir is not None else pathlib.Path(tmp, "logs")
-        results_path = pathlib.Path(tmp, "results.json")
+        results_path = pathlib.Path(tmp, "results.json") if results else None
         cmd = [
             sys.executable, "-m", "torch.distributed.run",
             f"--nproc_per_node={nproc}",
@@ -214,74 +298,31 @@ def torchrun(
             "--tee=3",
             "--local-ranks-filter=0",
             *extra_torchrun_args,
-            str(script),
+            str(path.resolve()),
             *args,
         ]  # fmt: skip
-        if results:
+        if results_path is not None:
             cmd += ["--results", str(results_path)]
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        full_env.update(env or {})
-        start = time.perf_counter()
-        proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env=full_env,
-            text=True,
-            errors="replace",
-            start_new_session=True,  # a group of its own to signal
-        )
-        lines: list[str] = []
+        return _run_job(cmd, path, nproc, timeout_s, env, echo, logs_path, results_path)
 
-        def pump() -> None:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                lines.append(line)
-                if echo and not any(noise in line for noise in _NOISE):
-                    print(_PREFIX.sub("", line, count=1), end="", flush=True)
 
-        reader = threading.Thread(target=pump, daemon=True)
-        reader.start()
-        try:
-            returncode = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            _kill_job(proc)
-            reader.join(timeout=5)
-            logs = _read_rank_logs(logs_path)
-            raise LaunchTimeout(
-                f"{script.name} ran past its {timeout_s:g} s timeout with {nproc} "
-                "ranks; every process of the job was killed. A hang usually means "
-                "the ranks called different collectives or different numbers of them.",
-                None,
-                -signal.SIGKILL,
-                logs,
-            ) from None
-        finally:
-            if proc.poll() is None:
-                _kill_job(proc)
-        reader.join(timeout=5)
-        wall_s = time.perf_counter() - start
-        output = "".join(lines)
-        logs = _read_rank_logs(logs_path)
-        if returncode != 0:
-            rank = _failing_rank(output, logs)
-            where = f"rank {rank}" if rank is not None else "an unknown rank"
-            detail = _tail_traceback(logs.get(rank, output) if rank is not None else output)
-            raise LaunchError(
-                f"{script.name} failed on {where} (torchrun exit code {returncode}).\n"
-                f"--- end of rank {rank}'s output ---\n{detail}",
-                rank,
-                returncode,
-                logs,
-            )
-        data = None
-        if results:
-            if not results_path.exists():
-                raise LaunchError(
-                    f"{script.name} exited cleanly but wrote no results to --results",
-                    None,
-                    0,
-                    logs,
-                )
-            data = json.loads(results_path.read_text())
-        return LaunchResult(returncode, output, logs, data, wall_s)
+def python(
+    script: str | os.PathLike,
+    args: Sequence[str] = (),
+    timeout_s: float = 300.0,
+    env: Mapping[str, str] | None = None,
+    results: bool = False,
+    echo: bool = True,
+) -> LaunchResult:
+    """Run ``python script *args`` as one plain process (no torchrun), like
+    :func:`torchrun` otherwise: live output, timeout, errors, results.
+
+    ``logs`` of the result is ``{0: output}``. Raises as :func:`torchrun`.
+    """
+    path = _check_script(script)
+    with tempfile.TemporaryDirectory(prefix="ddp_course_") as tmp:
+        results_path = pathlib.Path(tmp, "results.json") if results else None
+        cmd = [sys.executable, str(path.resolve()), *args]
+        if results_path is not None:
+            cmd += ["--results", str(results_path)]
+        return _run_job(cmd, path, 1, timeout_s, env, echo, None, results_path)

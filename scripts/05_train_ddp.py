@@ -1,0 +1,85 @@
+"""Lesson 05: the lesson 01 script as DistributedDataParallel, in five steps.
+
+    python scripts/05_train_ddp.py --epochs 5                        # one process
+    torchrun --nproc_per_node=2 scripts/05_train_ddp.py --epochs 5   # two ranks
+    torchrun --nnodes=1 --nproc_per_node=4 scripts/05_train_ddp.py   # four GPUs
+
+--batch-size is per rank: N ranks with batch b take the same steps as one
+process with batch N*b. Each rank uses cuda:<LOCAL_RANK> and nccl when there
+are GPUs, else the CPU and gloo. Lines marked NEW are what DDP adds.
+"""
+
+import os
+import time
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP  # NEW
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler  # NEW
+
+from ddp_course.checkpoint import load_checkpoint, save_checkpoint
+from ddp_course.data import load_mnist
+from ddp_course.engine import TrainConfig, evaluate, train_one_epoch, write_results
+from ddp_course.models import SmallCNN
+from ddp_course.runtime import DistContext, distributed, get_logger, rank0_first, seed_everything
+
+
+def train(ctx: DistContext, cfg: TrainConfig) -> None:
+    log = get_logger(ctx)
+    seed_everything(cfg.seed)  # the same model initialisation on every run
+    with rank0_first(ctx):  # NEW: one rank downloads, the others wait and then read
+        train_set = load_mnist(cfg.data_dir, train=True, source=cfg.data_source)
+        test_set = load_mnist(cfg.data_dir, train=False, source=cfg.data_source)
+    log.info(f"{train_set.source} MNIST: {len(train_set.dataset)} train, "
+             f"{len(test_set.dataset)} test digits")  # fmt: skip
+
+    # NEW step 3: each rank reads its own 1/N of every epoch's shuffled order.
+    sampler = DistributedSampler(train_set.dataset, num_replicas=ctx.world_size,
+                                 rank=ctx.rank, shuffle=True, seed=cfg.seed)  # fmt: skip
+    loader = DataLoader(train_set.dataset, batch_size=cfg.batch_size, sampler=sampler)
+
+    model = SmallCNN(dropout=cfg.dropout).to(ctx.device)
+    if ctx.is_distributed:  # NEW step 4: wrap; gradients are all-reduced in backward
+        model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    start_epoch = 0
+    if cfg.checkpoint and os.path.exists(cfg.checkpoint):
+        start_epoch = load_checkpoint(cfg.checkpoint, model, optimizer, ctx.device)["epoch"]
+        log.info(f"resumed from {cfg.checkpoint} at epoch {start_epoch}")
+
+    history, start = [], time.perf_counter()
+    for epoch in range(start_epoch, cfg.epochs):
+        sampler.set_epoch(epoch)  # NEW: a different shuffle every epoch, the same on all ranks
+        stats = train_one_epoch(model, loader, optimizer, ctx, epoch, cfg.max_steps, cfg.progress)
+        metrics = evaluate(model, test_set.dataset, ctx)
+        history.append({"epoch": epoch, "train_loss": stats.loss, "train_samples": stats.samples,
+                        "train_seconds": stats.seconds, "test_accuracy": metrics["accuracy"],
+                        "test_loss": metrics["loss"]})  # fmt: skip
+        log.info(f"epoch {epoch}: train loss {stats.loss:.4f}, test accuracy "
+                 f"{metrics['accuracy']:.4f}, {stats.samples_per_s:,.0f} samples/s")  # fmt: skip
+        if cfg.checkpoint:  # step 5: save_checkpoint writes on rank 0, then all wait
+            save_checkpoint(ctx, cfg.checkpoint, model, optimizer, epoch=epoch + 1)
+
+    final = evaluate(model, test_set.dataset, ctx) if not history else metrics
+    train_samples = sum(h["train_samples"] for h in history)
+    train_seconds = sum(h["train_seconds"] for h in history)
+    write_results(ctx, cfg.results, {
+        "world_size": ctx.world_size, "backend": ctx.backend, "device": str(ctx.device),
+        "data_source": train_set.source, "epochs": cfg.epochs, "batch_size": cfg.batch_size,
+        "lr": cfg.lr, "train_loss": history[-1]["train_loss"] if history else None,
+        "test_accuracy": final["accuracy"], "test_samples": final["samples"],
+        "samples_per_s": train_samples / train_seconds if history else None,
+        "wall_s": time.perf_counter() - start, "history": history,
+    })  # fmt: skip
+
+
+def main() -> None:
+    cfg = TrainConfig.from_args(description="Train the small CNN on MNIST with DDP.")
+    # NEW steps 1 and 2: a process group (env:// from torchrun's variables) and
+    # this rank's device; the group is destroyed on the way out, even on errors.
+    with distributed() as ctx:
+        train(ctx, cfg)
+
+
+if __name__ == "__main__":
+    main()
