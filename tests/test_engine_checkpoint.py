@@ -1,0 +1,92 @@
+"""engine and checkpoint in one process."""
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from ddp_course import checkpoint, engine
+from ddp_course.models import MLP
+from ddp_course.runtime import DistContext
+
+CTX = DistContext()
+
+
+def _data(n=50):
+    gen = torch.Generator().manual_seed(0)
+    return TensorDataset(
+        torch.randn(n, 784, generator=gen), torch.randint(0, 10, (n,), generator=gen)
+    )
+
+
+def test_evaluate_counts_every_sample_once():
+    torch.manual_seed(0)
+    model, dataset = MLP(), _data(53)
+    result = engine.evaluate(model, dataset, CTX, batch_size=8)
+    x, y = dataset.tensors
+    with torch.no_grad():
+        logits = model(x)
+    assert result["samples"] == 53
+    assert result["accuracy"] == pytest.approx((logits.argmax(1) == y).float().mean().item())
+    assert result["loss"] == pytest.approx(nn.functional.cross_entropy(logits, y).item(), rel=1e-5)
+
+
+def test_shard_indices_partition_without_padding():
+    for n in (0, 1, 10, 11):
+        for world in (1, 2, 3):
+            shards = [list(engine.shard_indices(n, r, world)) for r in range(world)]
+            assert sorted(sum(shards, [])) == list(range(n))
+
+
+def test_train_one_epoch_reduces_loss_and_counts_samples():
+    torch.manual_seed(0)
+    model = MLP()
+    loader = DataLoader(_data(64), batch_size=16)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    first = engine.train_one_epoch(model, loader, opt, CTX, progress=False)
+    for _ in range(5):
+        last = engine.train_one_epoch(model, loader, opt, CTX, progress=False)
+    assert first.samples == 64 and last.loss < first.loss
+    capped = engine.train_one_epoch(model, loader, opt, CTX, max_steps=2, progress=False)
+    assert capped.samples == 32
+
+
+def test_train_config_flags():
+    cfg = engine.TrainConfig.from_args(["--epochs", "2", "--batch-size", "8", "--no-dropout"])
+    assert (cfg.epochs, cfg.batch_size, cfg.dropout, cfg.checkpoint) == (2, 8, False, None)
+    with pytest.raises(SystemExit):
+        engine.TrainConfig.from_args(["--epochs", "0"])
+    with pytest.raises(SystemExit):
+        engine.TrainConfig.from_args(["--data-source", "cifar"])
+
+
+@pytest.mark.parametrize("wrap", [False, True])
+def test_checkpoint_round_trip_strips_module_prefix(tmp_path, wrap):
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 784)).sum().backward()
+    opt.step()
+    saved = nn.DataParallel(model) if wrap else model
+    checkpoint.save_checkpoint(CTX, tmp_path / "c.pt", saved, opt, epoch=3)
+    assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]  # no temporary file left
+    state = torch.load(tmp_path / "c.pt", weights_only=True)
+    assert not any(k.startswith("module.") for k in state["model"])
+
+    fresh = MLP()
+    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    target = nn.DataParallel(fresh) if not wrap else fresh
+    extra = checkpoint.load_checkpoint(tmp_path / "c.pt", target, fresh_opt)
+    assert extra == {"epoch": 3}
+    for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
+        torch.testing.assert_close(a, b)
+    assert fresh_opt.state_dict()["state"][0]["momentum_buffer"] is not None
+
+
+def test_load_plain_state_dict_with_prefix(tmp_path):
+    model = MLP()
+    torch.save({"module." + k: v for k, v in model.state_dict().items()}, tmp_path / "raw.pt")
+    fresh = MLP()
+    assert checkpoint.load_checkpoint(tmp_path / "raw.pt", fresh) == {}
+    with pytest.raises(FileNotFoundError):
+        checkpoint.load_checkpoint(tmp_path / "missing.pt", fresh)

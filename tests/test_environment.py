@@ -1,0 +1,68 @@
+"""The environment: pins agree, torch and torchvision work together."""
+
+import re
+import pytest
+
+tomllib = pytest.importorskip("tomllib", reason="tomllib is in Python 3.11+")
+
+import torch
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+
+def _pins_from_environment_yml(text: str) -> dict[str, str]:
+    pins = {}
+    in_pip = False
+    for line in text.splitlines():
+        if line.strip() == "- pip:":
+            in_pip = True
+            continue
+        match = re.match(r"\s+- ([A-Za-z0-9_.\-]+)(===?)(\S+)$", line)
+        if in_pip and match:
+            pins[match.group(1).lower()] = match.group(2) + match.group(3)
+    return pins
+
+
+def test_environment_yml_pins_equal_pyproject(root):
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    pinned = {}
+    for spec in project["optional-dependencies"]["pinned"]:
+        req = Requirement(spec)
+        (specifier,) = req.specifier
+        pinned[req.name.lower()] = specifier.operator + specifier.version
+    conda = _pins_from_environment_yml((root / "environment.yml").read_text())
+    assert conda == pinned
+
+
+def test_pins_fall_inside_the_supported_range(root):
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    ranges = {Requirement(s).name: Requirement(s).specifier for s in project["dependencies"]}
+    for spec in project["optional-dependencies"]["pinned"]:
+        req = Requirement(spec)
+        (specifier,) = req.specifier
+        if req.name in ranges:
+            assert Version(specifier.version) in ranges[req.name], spec
+    # The GPU target machine has torch 2.11 / torchvision 0.26.
+    assert Version("2.11.0") in ranges["torch"]
+    assert Version("0.26.0") in ranges["torchvision"]
+
+
+def test_torchvision_model_runs_forward_on_cpu():
+    import torchvision  # noqa: F401  (fails here when the pair is broken)
+
+    from ddp_course.models import resnet18_mnist
+
+    model = resnet18_mnist().eval()
+    with torch.no_grad():
+        out = model(torch.randn(3, 1, 28, 28))
+    assert out.shape == (3, 10)
+    assert torch.isfinite(out).all()
+
+
+def test_torchvision_compiled_operator_is_registered():
+    # The broken pair imports partly and fails on its compiled operators.
+    from torchvision.ops import nms
+
+    boxes = torch.tensor([[0.0, 0, 10, 10], [1, 1, 10, 10], [20, 20, 30, 30]])
+    keep = nms(boxes, torch.tensor([0.9, 0.8, 0.7]), iou_threshold=0.5)
+    assert keep.tolist() == [0, 2]

@@ -1,0 +1,27 @@
+"""Worker for the launcher's tests: fail on one rank, hang, or write results."""
+
+import argparse
+import json
+import time
+
+import torch.distributed as dist
+
+from ddp_course.runtime import distributed
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--fail-rank", type=int)
+parser.add_argument("--hang", action="store_true")
+parser.add_argument("--results")
+args = parser.parse_args()
+
+with distributed() as ctx:
+    print(f"worker rank {ctx.rank} started", flush=True)
+    if ctx.rank == args.fail_rank:
+        raise ValueError(f"deliberate failure on rank {ctx.rank}")
+    if args.hang:
+        time.sleep(3600)
+    if ctx.is_distributed:
+        dist.barrier()
+    if args.results and ctx.is_main:
+        with open(args.results, "w") as f:
+            json.dump({"world_size": ctx.world_size}, f)
