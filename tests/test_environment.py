@@ -1,13 +1,13 @@
 """The environment: pins agree, torch and torchvision work together."""
 
 import re
+
 import pytest
-
-tomllib = pytest.importorskip("tomllib", reason="tomllib is in Python 3.11+")
-
 import torch
 from packaging.requirements import Requirement
 from packaging.version import Version
+
+tomllib = pytest.importorskip("tomllib", reason="tomllib is in Python 3.11+")
 
 
 def _pins_from_environment_yml(text: str) -> dict[str, str]:
