@@ -3,7 +3,9 @@
 Modules, one concern each: ``runtime`` (ranks, devices, process groups,
 logging), ``launch`` (torchrun from notebooks and tests), ``data`` (MNIST and
 synthetic data), ``models``, ``engine`` (train and exact evaluation),
-``checkpoint``.
+``checkpoint``, ``collectives`` (ring and parameter-server all-reduce from
+point-to-point), ``bench`` (timing, algbw/busbw, cost models), ``parallel``
+(a from-scratch DataParallel), ``sampler`` (a from-scratch distributed sampler).
 """
 
 __version__ = "0.1.0"

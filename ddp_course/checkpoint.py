@@ -30,8 +30,12 @@ __all__ = ["load_checkpoint", "portable_state_dict", "save_checkpoint", "unwrap"
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The model inside ``nn.DataParallel`` / DDP wrappers (or the model itself)."""
-    while isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+    """The model inside data-parallel wrappers (or the model itself).
+
+    A wrapper is any module that keeps the wrapped model as ``.module``:
+    ``nn.DataParallel``, DDP and the course's own ``parallel.DataParallel``.
+    """
+    while isinstance(getattr(model, "module", None), nn.Module):
         model = model.module
     return model
 

@@ -90,3 +90,14 @@ def test_load_plain_state_dict_with_prefix(tmp_path):
     assert checkpoint.load_checkpoint(tmp_path / "raw.pt", fresh) == {}
     with pytest.raises(FileNotFoundError):
         checkpoint.load_checkpoint(tmp_path / "missing.pt", fresh)
+
+
+def test_checkpoint_loads_into_the_course_data_parallel(tmp_path):
+    from ddp_course.parallel import DataParallel
+
+    model = MLP()
+    checkpoint.save_checkpoint(CTX, tmp_path / "c.pt", model)
+    wrapped = DataParallel(MLP(), num_replicas=2)
+    checkpoint.load_checkpoint(tmp_path / "c.pt", wrapped)
+    for a, b in zip(model.state_dict().values(), wrapped.module.state_dict().values()):
+        torch.testing.assert_close(a, b)
