@@ -1,0 +1,166 @@
+"""ddp_course.bench: the pure functions (busbw factors, alpha-beta fit, summaries), and
+scripts/04_allreduce.py with a tiny sweep."""
+
+import math
+
+import numpy as np
+import pytest
+
+from ddp_course import launch
+from ddp_course.bench import (
+    AlphaBeta,
+    algbw,
+    busbw,
+    busbw_factor,
+    fit_alpha_beta,
+    format_bytes,
+    message_sizes,
+    parameter_server_time,
+    ring_all_reduce_time,
+    scaling_efficiency,
+    summarize,
+    time_op,
+)
+from ddp_course.runtime import DistContext
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8, 16])
+def test_busbw_factors_follow_nccl_tests(n):
+    assert busbw_factor("all_reduce", n) == pytest.approx(2 * (n - 1) / n)
+    for name in ("reduce_scatter", "all_gather", "all_to_all"):
+        assert busbw_factor(name, n) == pytest.approx((n - 1) / n)
+    for name in ("broadcast", "reduce", "sendrecv"):
+        assert busbw_factor(name, n) == 1.0
+
+
+def test_busbw_of_a_known_case():
+    # 1 GB all-reduced in 1 s over 8 ranks: algbw 1 GB/s, busbw 1.75 GB/s.
+    assert algbw(1e9, 1.0) == 1e9
+    assert busbw(1e9, 1.0, "all_reduce", 8) == pytest.approx(1.75e9)
+    assert busbw(2**20, 0.5, "all_gather", 2) == pytest.approx(2**20)
+
+
+def test_bandwidth_functions_reject_bad_input():
+    with pytest.raises(ValueError, match="unknown collective"):
+        busbw_factor("allreduce", 2)
+    with pytest.raises(ValueError, match="world_size"):
+        busbw_factor("all_reduce", 0)
+    with pytest.raises(ValueError, match="seconds"):
+        algbw(10, 0.0)
+
+
+@pytest.mark.parametrize("relative", [True, False])
+def test_fit_recovers_alpha_and_beta_exactly(relative):
+    alpha, bandwidth = 350e-6, 1.1e9
+    sizes = message_sizes(4096, 64 * 2**20)
+    times = [alpha + s / bandwidth for s in sizes]
+    fit = fit_alpha_beta(sizes, times, relative=relative)
+    assert fit.alpha == pytest.approx(alpha, rel=1e-6)
+    assert fit.bandwidth == pytest.approx(bandwidth, rel=1e-6)
+    assert fit.half_bandwidth_bytes == pytest.approx(alpha * bandwidth, rel=1e-6)
+
+
+def test_fit_recovers_alpha_and_beta_from_noisy_data():
+    rng = np.random.default_rng(0)
+    alpha, beta = 400e-6, 1 / 0.9e9
+    sizes = np.repeat(message_sizes(4096, 64 * 2**20), 5)
+    times = (alpha + beta * sizes) * rng.lognormal(0.0, 0.05, size=len(sizes))
+    fit = fit_alpha_beta(sizes, times)
+    assert fit.alpha == pytest.approx(alpha, rel=0.1)
+    assert fit.beta == pytest.approx(beta, rel=0.05)
+    # Ordinary least squares is decided by the largest sizes: alpha is far off.
+    ols = fit_alpha_beta(sizes, times, relative=False)
+    assert abs(ols.alpha - alpha) > abs(fit.alpha - alpha)
+
+
+def test_fit_rejects_bad_input():
+    with pytest.raises(ValueError, match="distinct"):
+        fit_alpha_beta([10, 10], [1.0, 1.0])
+    with pytest.raises(ValueError, match="positive"):
+        fit_alpha_beta([10, 20], [1.0, 0.0])
+    with pytest.raises(ValueError, match="length"):
+        fit_alpha_beta([10, 20, 30], [1.0, 2.0])
+
+
+def test_alpha_beta_predict():
+    model = AlphaBeta(alpha=1e-3, beta=1e-9)
+    assert model.predict(1e6) == pytest.approx(2e-3)
+    assert np.allclose(model.predict(np.array([0, 1e9])), [1e-3, 1.001])
+    assert AlphaBeta(1e-3, 0.0).bandwidth == math.inf
+
+
+def test_cost_models_match_the_formulas():
+    link = AlphaBeta(alpha=1e-4, beta=1e-9)
+    s = 64e6
+    for n in (2, 3, 4, 8):
+        ring = 2 * (n - 1) * 1e-4 + 2 * (n - 1) / n * s * 1e-9
+        assert ring_all_reduce_time(s, n, link) == pytest.approx(ring)
+        assert parameter_server_time(s, n, link) == pytest.approx(2e-4 + 2 * (n - 1) * s * 1e-9)
+    assert ring_all_reduce_time(s, 1, link) == 0.0
+    assert parameter_server_time(s, 1, link) == 0.0
+    # The server's cost grows with N; the ring's tends to 2 S beta.
+    assert parameter_server_time(s, 8, link) > 3 * ring_all_reduce_time(s, 8, link)
+
+
+def test_summarize_gives_median_and_quartiles():
+    t = summarize([5.0, 1.0, 3.0, 2.0, 4.0])
+    assert (t.median, t.q1, t.q3, t.min, t.repeats) == (3.0, 2.0, 4.0, 1.0, 5)
+    assert t.iqr == 2.0
+    one = summarize([0.25])
+    assert one.median == one.q1 == one.q3 == 0.25
+    with pytest.raises(ValueError):
+        summarize([])
+
+
+def test_scaling_efficiency():
+    assert scaling_efficiency(100.0, 380.0, 4, "weak") == pytest.approx(0.95)
+    assert scaling_efficiency(10.0, 2.5, 4, "strong") == pytest.approx(1.0)
+    assert scaling_efficiency(10.0, 5.0, 4, "strong") == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="kind"):
+        scaling_efficiency(1.0, 1.0, 2, "linear")
+
+
+def test_message_sizes_and_format_bytes():
+    assert message_sizes(4096, 65536, 4) == [4096, 16384, 65536]
+    assert message_sizes(1, 1) == [1]
+    with pytest.raises(ValueError):
+        message_sizes(8, 4)
+    assert format_bytes(4096) == "4 KiB"
+    assert format_bytes(64 * 2**20) == "64 MiB"
+    assert format_bytes(1536) == "1.5 KiB"
+    assert format_bytes(100) == "100 B"
+
+
+def test_time_op_single_process_counts_calls():
+    calls = []
+    times = time_op(lambda: calls.append(1), DistContext(), warmup=3, repeats=4)
+    assert len(calls) == 7
+    assert len(times) == 4 and all(t >= 0 for t in times)
+    with pytest.raises(ValueError):
+        time_op(lambda: None, DistContext(), repeats=0)
+
+
+def test_script_04_tiny_sweep_under_torchrun(root):
+    args = ["--max-bytes", "16384", "--warmup", "0", "--repeats", "2"]
+    job = launch.torchrun(root / "scripts/04_allreduce.py", args, nproc=2, results=True,
+                          echo=False, timeout_s=180)  # fmt: skip
+    r = job.results
+    assert (r["world_size"], r["backend"], r["sizes"]) == (2, "gloo", [4096, 8192, 16384])
+    k = 12_000 * 4
+    assert r["checks"]["ring"] == [[k, k, 2], [k, k, 2]]  # 2(N-1)/N K = K each way at N = 2
+    for name, collective in (("torch", "all_reduce"), ("ring", "all_reduce"),
+                             ("send", "sendrecv"), ("exchange", "sendrecv")):  # fmt: skip
+        row = r["sweep"][name]
+        assert len(row["times_s"]) == 3 and all(len(ts) == 2 for ts in row["times_s"])
+        for size, t, alg, bus in zip(r["sizes"], row["median_s"], row["algbw_GBps"],
+                                     row["busbw_GBps"], strict=True):  # fmt: skip
+            assert alg == pytest.approx(size / t / 1e9)
+            assert bus == pytest.approx(alg * busbw_factor(collective, 2))
+    assert set(r["fits"]) == {"torch", "ring", "ps", "send", "exchange"}
+    assert len(r["ring_over_torch_algbw"]) == 3
+
+
+def test_script_04_as_one_process_checks_but_does_not_sweep(root):
+    job = launch.python(root / "scripts/04_allreduce.py", results=True, echo=False)
+    assert job.results["world_size"] == 1 and "sweep" not in job.results
+    assert job.results["checks"]["ring"] == [[0, 0, 0]]
