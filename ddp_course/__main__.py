@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import pathlib
 import platform
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -91,7 +92,9 @@ def course(paths: Sequence[pathlib.Path], out_dir: pathlib.Path | None, timeout_
             run_notebook(path, out, timeout_s)
             status = "passed"
         except Exception as exc:
-            status = f"FAILED: {type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}"
+            # The kernel's traceback is coloured; keep its last line, plain.
+            last = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip().splitlines()[-1]
+            status = f"FAILED: {type(exc).__name__}: {last[:200]}"
         rows.append((path.name, time.perf_counter() - start, status))
     bar.close()
     width = max(len(name) for name, _, _ in rows)
