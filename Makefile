@@ -29,5 +29,4 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 
 lab: $(STAMP)
-	$(PY) -m pip install --quiet -e ".[lab]"
-	cd notebooks && ../$(PY) -m jupyter lab
+	$(PY) -m ddp_course lab

@@ -1,23 +1,34 @@
-"""Command line: ``python -m ddp_course {check,course,execute}``.
+"""Command line: ``python -m ddp_course {check,course,execute,lab}``.
 
 - ``check``: versions, devices, backends and the data set that will be used.
 - ``course``: execute every notebook in order, headless, into ``build/``,
   with a progress bar and a pass/fail summary (exit code 1 if any failed).
 - ``execute NB...``: re-execute notebooks top to bottom and store their
-  outputs in place (for authors: committed outputs come from a clean run).
+  outputs in place (for authors: committed outputs come from a clean run),
+  with the kernel metadata JupyterLab writes, so opening them changes nothing.
+- ``lab``: JupyterLab rooted at the repository, its terminals in the
+  repository root with this environment's ``bin`` first on ``PATH``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import platform
 import re
+import shlex
+import shutil
 import sys
 import time
 from collections.abc import Sequence
 
-NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+NOTEBOOKS = ROOT / "notebooks"
+# What JupyterLab writes into a notebook run with ipykernel's own kernel
+# (its kernel.json); a different stored value marks the notebook modified
+# as soon as it is opened.
+KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
 
 
 def check() -> int:
@@ -68,14 +79,33 @@ def run_notebook(path: pathlib.Path, out: pathlib.Path, timeout_s: int) -> None:
 
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(
-        nb, timeout=timeout_s, kernel_name="python3",
+        nb, timeout=timeout_s, kernel_name=KERNELSPEC["name"], config=_kernel_config(),
         resources={"metadata": {"path": str(path.parent)}},
     )  # fmt: skip
     try:
-        client.execute()
+        client.execute()  # also stores language_info as the kernel reports it
     finally:
+        nb.metadata["kernelspec"] = dict(KERNELSPEC)
         out.parent.mkdir(parents=True, exist_ok=True)
         nbformat.write(nb, out)
+
+
+def _kernel_config():
+    """Kernel manager settings: IPC sockets on POSIX instead of TCP.
+
+    Over TCP, ipykernel logs "Kernel is running over TCP without encryption"
+    on stderr once per kernel, in the middle of ``course``'s progress bar.
+    Unix domain sockets are reachable from this machine only, so the warning
+    does not apply, and the kernel does not print it.
+    """
+    from traitlets.config import Config
+
+    config = Config()
+    if os.name == "posix":
+        config.KernelManager.transport = "ipc"
+    else:  # no IPC transport: keep the kernel's warnings out of the bar
+        config.NotebookClient.extra_arguments = ["--log-level=ERROR"]
+    return config
 
 
 def course(paths: Sequence[pathlib.Path], out_dir: pathlib.Path | None, timeout_s: int) -> int:
@@ -107,6 +137,78 @@ def course(paths: Sequence[pathlib.Path], out_dir: pathlib.Path | None, timeout_
     return 1 if failed else 0
 
 
+def lab_command(
+    root: pathlib.Path, uid: int | None, shell: Sequence[str] | None, extra: Sequence[str] = ()
+) -> list[str]:
+    """The ``jupyter lab`` command line: served from ``root``, lesson 00 open.
+
+    Args:
+        root: folder the server shows (the repository root).
+        uid: effective user id; 0 (root, as in containers) adds ``--allow-root``,
+            without which JupyterLab refuses to start. ``None`` on Windows.
+        shell: the terminals' command (see ``lab_shell``); ``None`` keeps Jupyter's.
+        extra: further options passed to JupyterLab as they are (``--port=...``).
+    """
+    command = [
+        sys.executable, "-m", "jupyterlab",
+        f"--ServerApp.root_dir={root}",
+        "--LabApp.default_url=/lab/tree/notebooks/00_course_setup.ipynb",
+    ]  # fmt: skip
+    if shell is not None:
+        command.append(f"--ServerApp.terminado_settings=shell_command={shlex.join(shell)}")
+    if uid == 0:
+        command.append("--allow-root")
+    return [*command, *extra]
+
+
+def lab_shell(root: pathlib.Path, bin_dir: pathlib.Path) -> list[str] | None:
+    """The terminals' shell: bash with an rc file written to ``root/build/lab``.
+
+    The rc file reads ``~/.bashrc``, then puts ``bin_dir`` first on ``PATH``
+    (after it, so that a conda ``init`` block does not win) and changes to
+    ``root``: JupyterLab opens a terminal in the file browser's folder, while
+    every command a lesson gives is written for the repository root.
+    Returns ``None`` where there is no bash (Windows): Jupyter's own shell,
+    which inherits the server's ``PATH``.
+    """
+    bash = shutil.which("bash")
+    if bash is None:
+        return None
+    rc = root / "build" / "lab" / "bashrc"
+    rc.parent.mkdir(parents=True, exist_ok=True)
+    rc.write_text(
+        "# Written by `python -m ddp_course lab`: the course's terminal.\n"
+        '[ -f "$HOME/.bashrc" ] && . "$HOME/.bashrc"\n'
+        f'export PATH={shlex.quote(str(bin_dir))}:"$PATH"\n'
+        f"cd {shlex.quote(str(root))}\n"
+    )
+    return [bash, "--rcfile", str(rc), "-i"]
+
+
+def lab(extra: Sequence[str]) -> int:
+    """Run JupyterLab for the course until it is stopped; its exit code.
+
+    ``PATH`` starts with this interpreter's ``bin`` folder (``.venv/bin``), so
+    the terminals' ``python`` and ``torchrun`` are the course's.
+    """
+    import subprocess
+
+    try:
+        import jupyterlab  # noqa: F401
+    except ImportError:
+        print("JupyterLab is not installed here: run `make setup` (or pip install -e '.[lab]').")
+        return 1
+    # Not resolved: .venv/bin/python is a link to the base interpreter.
+    bin_dir = pathlib.Path(sys.executable).parent
+    env = dict(os.environ, PATH=os.pathsep.join([str(bin_dir), os.environ.get("PATH", "")]))
+    uid = os.geteuid() if hasattr(os, "geteuid") else None
+    command = lab_command(ROOT, uid, lab_shell(ROOT, bin_dir), extra)
+    try:
+        return subprocess.call(command, env=env, cwd=ROOT)
+    except KeyboardInterrupt:
+        return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m ddp_course",
@@ -124,7 +226,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ex = sub.add_parser("execute", help="re-execute notebooks and store outputs in place")
     ex.add_argument("notebooks", nargs="+", type=pathlib.Path)
     ex.add_argument("--timeout", type=int, default=900, help="seconds per cell")
-    args = parser.parse_args(argv)
+    sub.add_parser(
+        "lab", help="JupyterLab on the repository (further options go to JupyterLab)",
+    )  # fmt: skip
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "lab":
+        return lab(extra)
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "check":
         return check()
     if args.command == "course":
