@@ -22,95 +22,29 @@ same two ranks do not wait for each other), so it runs on gloo (CPU
 tensors) and nccl (CUDA tensors). Without a process group (a plain
 ``python script.py``) the world size is 1 and the functions return at once.
 
-The end of the module simulates synchronous and asynchronous
-parameter-server SGD in one process, to show what stale gradients do.
+The bytes each rank should move are in ``ddp_course.comm_cost``; the
+simulation of asynchronous parameter-server SGD is in ``ddp_course.async_sgd``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-
 import torch
 import torch.distributed as dist
+
+from .comm_cost import CommStats, check_rank, chunk_bounds
 
 __all__ = [
     "OPS",
     "SEGMENT_BYTES",
-    "CommStats",
-    "chunk_bounds",
     "parameter_server_all_reduce",
-    "parameter_server_bytes",
     "ring_all_gather",
     "ring_all_reduce",
-    "ring_bytes",
     "ring_reduce_scatter",
     "ring_schedule",
-    "simulate_parameter_server",
 ]
 
 OPS = ("sum", "avg", "max", "min")
 """Reduction operations the hand-written collectives accept."""
-
-
-@dataclasses.dataclass
-class CommStats:
-    """What one rank moved in one or more hand-written collectives.
-
-    Attributes:
-        bytes_sent: payload bytes this rank sent (``numel * element_size``
-            of everything it passed to ``isend``).
-        bytes_received: payload bytes this rank received.
-        steps: communication rounds this rank waited for; each costs at
-            least one latency (alpha) in the alpha-beta model.
-
-    Stats add up: ``total = reduce_scatter_stats + all_gather_stats``.
-    """
-
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    steps: int = 0
-
-    def __add__(self, other: CommStats) -> CommStats:
-        return CommStats(
-            self.bytes_sent + other.bytes_sent,
-            self.bytes_received + other.bytes_received,
-            self.steps + other.steps,
-        )
-
-    @property
-    def bytes_total(self) -> int:
-        """Bytes sent plus bytes received."""
-        return self.bytes_sent + self.bytes_received
-
-
-def chunk_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
-    """Where each rank's chunk of a flat tensor starts and stops.
-
-    The first ``numel % world_size`` chunks get one element more, as in
-    ``torch.tensor_split``; when ``numel < world_size`` some chunks are empty.
-
-    Args:
-        numel: number of elements, >= 0.
-        world_size: number of chunks, >= 1.
-
-    Returns:
-        ``[(start, stop), ...]`` of length ``world_size``, element offsets.
-
-    Raises:
-        ValueError: if ``numel < 0`` or ``world_size < 1``.
-    """
-    if numel < 0:
-        raise ValueError(f"numel must be >= 0, not {numel}")
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, not {world_size}")
-    base, extra = divmod(numel, world_size)
-    bounds, start = [], 0
-    for i in range(world_size):
-        stop = start + base + (1 if i < extra else 0)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
 
 
 def ring_schedule(world_size: int, phase: str) -> list[list[tuple[int, int]]]:
@@ -145,83 +79,6 @@ def ring_schedule(world_size: int, phase: str) -> list[list[tuple[int, int]]]:
     return [
         [((r - s - shift) % n, (r - s - shift - 1) % n) for r in range(n)] for s in range(n - 1)
     ]
-
-
-def ring_bytes(numel: int, element_size: int, world_size: int, rank: int) -> CommStats:
-    """The traffic :func:`ring_all_reduce` causes at ``rank``, in bytes.
-
-    In the reduce-scatter rank r sends every chunk but its own (chunk r) and
-    receives every chunk but chunk r-1; in the all-gather it sends every
-    chunk but chunk r+1 and receives every chunk but its own. So it sends
-    ``2K - |chunk r| - |chunk r+1|`` bytes and receives
-    ``2K - |chunk r-1| - |chunk r|``. When ``numel`` is a multiple of N both
-    are exactly ``2(N-1)/N * K`` (the bandwidth-optimal bound, Patarasuk and
-    Yuan 2009); otherwise they differ from it by less than two elements and
-    their mean over ranks is still ``2(N-1)/N * K``.
-
-    Args:
-        numel: elements of the tensor; ``K = numel * element_size`` bytes.
-        element_size: bytes per element (``tensor.element_size()``), >= 1.
-        world_size: N >= 1.
-        rank: 0 <= rank < N.
-
-    Returns:
-        The expected :class:`CommStats`, with 2(N-1) steps.
-
-    Raises:
-        ValueError: on an out-of-range rank or a bad size.
-    """
-    _check_rank(rank, world_size)
-    _check_size(numel, element_size)
-    if world_size == 1:
-        return CommStats()
-    sizes = [stop - start for start, stop in chunk_bounds(numel, world_size)]
-    sent = 2 * numel - sizes[rank] - sizes[(rank + 1) % world_size]
-    received = 2 * numel - sizes[rank - 1] - sizes[rank]
-    return CommStats(sent * element_size, received * element_size, 2 * (world_size - 1))
-
-
-def parameter_server_bytes(
-    numel: int, element_size: int, world_size: int, rank: int, root: int = 0
-) -> CommStats:
-    """The traffic :func:`parameter_server_all_reduce` causes at ``rank``, in bytes.
-
-    The server (``root``) receives K bytes from each of the N-1 workers and
-    sends K back to each: (N-1)K each way, 2(N-1)K in all. A worker sends K
-    and receives K, whatever N is. Both take 2 steps (gather, then send back).
-
-    Args:
-        numel: elements of the tensor; ``K = numel * element_size`` bytes.
-        element_size: bytes per element, >= 1.
-        world_size: N >= 1.
-        rank: 0 <= rank < N.
-        root: the server's rank, 0 <= root < N.
-
-    Returns:
-        The expected :class:`CommStats`.
-
-    Raises:
-        ValueError: on an out-of-range rank or root, or a bad size.
-    """
-    _check_rank(rank, world_size)
-    _check_rank(root, world_size, "root")
-    _check_size(numel, element_size)
-    if world_size == 1:
-        return CommStats()
-    nbytes = numel * element_size * (world_size - 1 if rank == root else 1)
-    return CommStats(nbytes, nbytes, 2)
-
-
-def _check_rank(rank: int, world_size: int, name: str = "rank") -> None:
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, not {world_size}")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"{name} {rank} is not in [0, {world_size})")
-
-
-def _check_size(numel: int, element_size: int) -> None:
-    if numel < 0 or element_size < 1:
-        raise ValueError(f"need numel >= 0 and element_size >= 1, not {numel}, {element_size}")
 
 
 def _check_tensor(tensor: torch.Tensor, op: str | None = None) -> torch.Tensor:
@@ -364,7 +221,7 @@ def ring_reduce_scatter(
 ) -> tuple[torch.Tensor, CommStats]:
     """Ring reduce-scatter: rank r ends with chunk r reduced over all ranks.
 
-    The flat tensor is cut by :func:`chunk_bounds`. In step s = 0..N-2, rank
+    The flat tensor is cut by :func:`ddp_course.comm_cost.chunk_bounds`. In step s = 0..N-2, rank
     r sends chunk (r-s-1) mod N to rank r+1 and receives chunk (r-s-2) mod N
     from rank r-1, which it combines into its own copy; after N-1 steps its
     chunk r holds the contributions of all N ranks (:func:`ring_schedule`;
@@ -422,7 +279,7 @@ def ring_all_gather(
     """Ring all-gather in place: every rank ends with every rank's chunk.
 
     Rank r's own data must already sit in chunk r of ``tensor.view(-1)``
-    (:func:`chunk_bounds`); the other chunks are overwritten. In step
+    (:func:`ddp_course.comm_cost.chunk_bounds`); the other chunks are overwritten. In step
     s = 0..N-2 rank r sends chunk (r-s) mod N to rank r+1 and receives
     chunk (r-s-1) mod N from rank r-1 straight into place.
 
@@ -461,7 +318,7 @@ def ring_all_reduce(
     Equals ``dist.all_reduce(tensor, op)`` for any world size >= 1 and any
     length (chunks differ by at most one element when N does not divide it).
     Cost: 2(N-1) steps, each rank sends and receives about 2(N-1)/N * K
-    bytes (:func:`ring_bytes`); time about 2(N-1) * alpha + 2(N-1)/N * K / B
+    bytes (:func:`ddp_course.comm_cost.ring_bytes`); time about 2(N-1) * alpha + 2(N-1)/N * K / B
     (Patarasuk and Yuan, JPDC 2009; Gibiansky, Baidu Research 2017).
 
     Args:
@@ -513,7 +370,7 @@ def parameter_server_all_reduce(
         segment_bytes: messages are sent in segments of at most this many bytes.
 
     Returns:
-        :class:`CommStats` of this rank (:func:`parameter_server_bytes`).
+        :class:`CommStats` of this rank (:func:`ddp_course.comm_cost.parameter_server_bytes`).
 
     Raises:
         ValueError: unknown ``op``, unsupported dtype, non-contiguous
@@ -522,7 +379,7 @@ def parameter_server_all_reduce(
     """
     flat = _check_tensor(tensor, op)
     rank, size = _rank_and_size(group)
-    _check_rank(root, size, "root")
+    check_rank(root, size, "root")
     ex = _Exchanger(group, segment_bytes)
     if size == 1:
         return ex.stats
@@ -538,97 +395,3 @@ def parameter_server_all_reduce(
         ex.run(sends=[(flat, root)])
         ex.run(recvs=[(flat, root)])
     return ex.stats
-
-
-def simulate_parameter_server(
-    mode: str = "sync",
-    num_workers: int = 4,
-    staleness: int | None = None,
-    lr: float = 0.1,
-    rounds: int = 100,
-    features: int = 10,
-    samples_per_worker: int = 64,
-    seed: int = 0,
-) -> list[float]:
-    """Least-squares regression trained by a simulated parameter server.
-
-    One process, deterministic (float64, fixed seed). Each of the N workers
-    owns a shard of a linear-regression data set ``y = X w* + noise`` and
-    computes mean-squared-error gradients on it.
-
-    - ``mode="sync"``: each round averages the N workers' gradients, all
-      computed on the current parameters, and makes one update (what an
-      all-reduce or a synchronous parameter server gives: the same as one
-      process with the whole batch).
-    - ``mode="async"``: the server applies each worker's gradient as it
-      arrives, one update per gradient (workers take turns), and that
-      gradient was computed on the parameters as they were ``staleness``
-      updates earlier: the worker read them, computed, and meanwhile others
-      pushed theirs. With N equally fast workers the staleness is N - 1
-      (the default); ``staleness=0`` is sequential SGD over the shards.
-
-    On a quadratic with curvature c, gradient descent delayed by k updates
-    (``x <- x - lr * c * x_{t-k}``) is stable only for
-    ``lr * c < 2 sin(pi / (4k + 2))``: 2 without delay, 0.45 for k = 3. That
-    is why asynchronous training needs smaller learning rates (Zhang et al.,
-    "Staleness-aware Async-SGD for distributed deep learning", IJCAI 2016).
-
-    Args:
-        mode: ``"sync"`` or ``"async"``.
-        num_workers: N >= 1.
-        staleness: delay k >= 0 in updates (async only; default N - 1).
-        lr: learning rate per update, > 0.
-        rounds: rounds of N gradients each, >= 1.
-        features, samples_per_worker: data set shape, >= 1.
-        seed: seeds the data set; the parameters start at zero.
-
-    Returns:
-        Mean squared error on the whole data set before training and after
-        each round (length ``rounds + 1``); ``inf`` from the round where
-        training diverged on.
-
-    Raises:
-        ValueError: unknown mode, a non-positive size or learning rate,
-            negative staleness, or staleness given with ``mode="sync"``.
-    """
-    if mode not in ("sync", "async"):
-        raise ValueError(f"mode must be 'sync' or 'async', not {mode!r}")
-    if min(num_workers, rounds, features, samples_per_worker) < 1:
-        raise ValueError("num_workers, rounds, features and samples_per_worker must be >= 1")
-    if mode == "sync" and staleness not in (None, 0):
-        raise ValueError("synchronous updates have no staleness")
-    k = num_workers - 1 if staleness is None else staleness
-    if k < 0:
-        raise ValueError(f"staleness must be >= 0, not {k}")
-    if not lr > 0:
-        raise ValueError(f"lr must be positive, not {lr}")
-    gen = torch.Generator().manual_seed(seed)
-    n = num_workers * samples_per_worker
-    x = torch.randn(n, features, generator=gen, dtype=torch.float64)
-    w_true = torch.randn(features, generator=gen, dtype=torch.float64)
-    y = x @ w_true + 0.1 * torch.randn(n, generator=gen, dtype=torch.float64)
-    shards = list(zip(x.split(samples_per_worker), y.split(samples_per_worker), strict=True))
-
-    def loss(w: torch.Tensor) -> float:
-        return float(((x @ w - y) ** 2).mean())
-
-    def grad(w: torch.Tensor, worker: int) -> torch.Tensor:
-        xs, ys = shards[worker]
-        return 2.0 / len(ys) * xs.T @ (xs @ w - ys)
-
-    w = torch.zeros(features, dtype=torch.float64)
-    losses = [loss(w)]
-    versions = [w]  # the last k + 1 parameter versions, oldest first
-    for _ in range(rounds):
-        if mode == "sync":
-            w = w - lr * sum(grad(w, i) for i in range(num_workers)) / num_workers
-        else:
-            for i in range(num_workers):
-                w = w - lr * grad(versions[0], i)
-                versions = (versions + [w])[-(k + 1) :]
-        value = loss(w)
-        if not math.isfinite(value) or value > 1e6 * losses[0]:
-            losses += [math.inf] * (rounds + 1 - len(losses))
-            break
-        losses.append(value)
-    return losses

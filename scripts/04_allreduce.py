@@ -12,7 +12,9 @@ patterns that model the link: "send" (rank 0 to rank 1 only) and "exchange"
 (every rank sends to its right neighbour and receives from its left one at
 once, one ring step). Times are the slowest rank's, medians over repeats
 after warm-up; algbw and busbw as in nccl-tests' PERFORMANCE.md; an
-alpha-beta model t = alpha + S/B is fitted to each curve.
+alpha-beta model t = alpha + S/B is fitted to each curve. busbw normalises
+by what a bandwidth-optimal all-reduce must move, whatever the algorithm; the
+rate the busiest rank really sent at ("busiest_GBps") is reported beside it.
 """
 
 import argparse
@@ -23,12 +25,8 @@ import torch
 import torch.distributed as dist
 
 from ddp_course.bench import algbw, busbw, fit_alpha_beta, message_sizes, summarize, time_op
-from ddp_course.collectives import (
-    parameter_server_all_reduce,
-    parameter_server_bytes,
-    ring_all_reduce,
-    ring_bytes,
-)
+from ddp_course.collectives import parameter_server_all_reduce, ring_all_reduce
+from ddp_course.comm_cost import parameter_server_bytes, ring_bytes
 from ddp_course.engine import write_results
 from ddp_course.runtime import distributed, get_logger
 
@@ -75,6 +73,17 @@ def check(ctx) -> dict:
     return {"cases": cases, "numel": numel, "element_size": 4, **counted}
 
 
+def busiest_bytes(name: str, size: int, n: int) -> int | None:
+    """Bytes the busiest rank sends in one call of `name` on `size` bytes (None: unknown)."""
+    if name == "ring":
+        return max(ring_bytes(size // 4, 4, n, r).bytes_sent for r in range(n))
+    if name == "ps":
+        return parameter_server_bytes(size // 4, 4, n, 0).bytes_sent  # the server
+    if name in ("send", "exchange"):
+        return size
+    return None  # the backend's own algorithm is not ours to count
+
+
 def sweep(ctx, sizes, warmup, repeats, segment_bytes) -> dict:
     """Time every algorithm at every size; the algorithms take turns each repeat."""
     n, log = ctx.world_size, get_logger(ctx)
@@ -110,7 +119,7 @@ def sweep(ctx, sizes, warmup, repeats, segment_bytes) -> dict:
         }
 
     out = {name: {"median_s": [], "q1_s": [], "q3_s": [], "algbw_GBps": [], "busbw_GBps": [],
-                  "times_s": []}
+                  "busiest_GBps": [], "times_s": []}
            for name in BUSBW_OF}  # fmt: skip
     log.info(f"{'bytes':>10} " + " ".join(f"{name + ' ms':>12}" for name in BUSBW_OF))
     for size in sizes:
@@ -130,6 +139,8 @@ def sweep(ctx, sizes, warmup, repeats, segment_bytes) -> dict:
             out[name]["times_s"].append(ts)  # repeat i of every algorithm ran back to back
             out[name]["algbw_GBps"].append(algbw(size, t.median) / 1e9)
             out[name]["busbw_GBps"].append(busbw(size, t.median, BUSBW_OF[name], n) / 1e9)
+            sent = busiest_bytes(name, size, n)
+            out[name]["busiest_GBps"].append(None if sent is None else sent / t.median / 1e9)
         line = " ".join(f"{out[name]['median_s'][-1] * 1e3:12.3f}" for name in BUSBW_OF)
         log.info(f"{size:>10} {line}")
     assert torch.count_nonzero(tensor) == 0

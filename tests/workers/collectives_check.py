@@ -14,14 +14,12 @@ import torch
 import torch.distributed as dist
 
 from ddp_course.collectives import (
-    chunk_bounds,
     parameter_server_all_reduce,
-    parameter_server_bytes,
     ring_all_gather,
     ring_all_reduce,
-    ring_bytes,
     ring_reduce_scatter,
 )
+from ddp_course.comm_cost import chunk_bounds, parameter_server_bytes, ring_bytes
 from ddp_course.engine import write_results
 from ddp_course.runtime import distributed
 

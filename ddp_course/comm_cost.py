@@ -1,0 +1,162 @@
+"""Byte accounting of the hand-written all-reduce algorithms (notebook 04).
+
+How many bytes each rank sends and receives, and in how many rounds, when
+``ddp_course.collectives`` all-reduces a tensor of K bytes over N ranks:
+
+- ring (reduce-scatter then all-gather): every rank sends and receives
+  2(N-1)/N * K bytes in 2(N-1) steps, below 2K for any N (Patarasuk and
+  Yuan, "Bandwidth optimal all-reduce algorithms for clusters of
+  workstations", JPDC 2009; Gibiansky, "Bringing HPC techniques to deep
+  learning", Baidu Research 2017);
+- parameter server: the server sends and receives (N-1) * K bytes, each
+  worker K, in 2 steps.
+
+The algorithms count what they actually pass to ``isend``/``irecv`` into a
+:class:`CommStats`; the functions here give what the formulas expect, so a
+test can compare the two. The chunking (:func:`chunk_bounds`) lives here
+because it decides which bytes each rank owns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["CommStats", "chunk_bounds", "check_rank", "parameter_server_bytes", "ring_bytes"]
+
+
+@dataclasses.dataclass
+class CommStats:
+    """What one rank moved in one or more hand-written collectives.
+
+    Attributes:
+        bytes_sent: payload bytes this rank sent (``numel * element_size``
+            of everything it passed to ``isend``).
+        bytes_received: payload bytes this rank received.
+        steps: communication rounds this rank waited for; each costs at
+            least one latency (alpha) in the alpha-beta model.
+
+    Stats add up: ``total = reduce_scatter_stats + all_gather_stats``.
+    """
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    steps: int = 0
+
+    def __add__(self, other: CommStats) -> CommStats:
+        return CommStats(
+            self.bytes_sent + other.bytes_sent,
+            self.bytes_received + other.bytes_received,
+            self.steps + other.steps,
+        )
+
+    @property
+    def bytes_total(self) -> int:
+        """Bytes sent plus bytes received."""
+        return self.bytes_sent + self.bytes_received
+
+
+def chunk_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
+    """Where each rank's chunk of a flat tensor starts and stops.
+
+    The first ``numel % world_size`` chunks get one element more, as in
+    ``torch.tensor_split``; when ``numel < world_size`` some chunks are empty.
+
+    Args:
+        numel: number of elements, >= 0.
+        world_size: number of chunks, >= 1.
+
+    Returns:
+        ``[(start, stop), ...]`` of length ``world_size``, element offsets.
+
+    Raises:
+        ValueError: if ``numel < 0`` or ``world_size < 1``.
+    """
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, not {numel}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, not {world_size}")
+    base, extra = divmod(numel, world_size)
+    bounds, start = [], 0
+    for i in range(world_size):
+        stop = start + base + (1 if i < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def ring_bytes(numel: int, element_size: int, world_size: int, rank: int) -> CommStats:
+    """The traffic :func:`ddp_course.collectives.ring_all_reduce` causes at ``rank``, in bytes.
+
+    In the reduce-scatter rank r sends every chunk but its own (chunk r) and
+    receives every chunk but chunk r-1; in the all-gather it sends every
+    chunk but chunk r+1 and receives every chunk but its own. So it sends
+    ``2K - |chunk r| - |chunk r+1|`` bytes and receives
+    ``2K - |chunk r-1| - |chunk r|``. When ``numel`` is a multiple of N both
+    are exactly ``2(N-1)/N * K`` (the bandwidth-optimal bound, Patarasuk and
+    Yuan 2009); otherwise they differ from it by less than two elements and
+    their mean over ranks is still ``2(N-1)/N * K``.
+
+    Args:
+        numel: elements of the tensor; ``K = numel * element_size`` bytes.
+        element_size: bytes per element (``tensor.element_size()``), >= 1.
+        world_size: N >= 1.
+        rank: 0 <= rank < N.
+
+    Returns:
+        The expected :class:`CommStats`, with 2(N-1) steps.
+
+    Raises:
+        ValueError: on an out-of-range rank or a bad size.
+    """
+    check_rank(rank, world_size)
+    _check_size(numel, element_size)
+    if world_size == 1:
+        return CommStats()
+    sizes = [stop - start for start, stop in chunk_bounds(numel, world_size)]
+    sent = 2 * numel - sizes[rank] - sizes[(rank + 1) % world_size]
+    received = 2 * numel - sizes[rank - 1] - sizes[rank]
+    return CommStats(sent * element_size, received * element_size, 2 * (world_size - 1))
+
+
+def parameter_server_bytes(
+    numel: int, element_size: int, world_size: int, rank: int, root: int = 0
+) -> CommStats:
+    """Bytes :func:`ddp_course.collectives.parameter_server_all_reduce` moves at ``rank``.
+
+    The server (``root``) receives K bytes from each of the N-1 workers and
+    sends K back to each: (N-1)K each way, 2(N-1)K in all. A worker sends K
+    and receives K, whatever N is. Both take 2 steps (gather, then send back).
+
+    Args:
+        numel: elements of the tensor; ``K = numel * element_size`` bytes.
+        element_size: bytes per element, >= 1.
+        world_size: N >= 1.
+        rank: 0 <= rank < N.
+        root: the server's rank, 0 <= root < N.
+
+    Returns:
+        The expected :class:`CommStats`.
+
+    Raises:
+        ValueError: on an out-of-range rank or root, or a bad size.
+    """
+    check_rank(rank, world_size)
+    check_rank(root, world_size, "root")
+    _check_size(numel, element_size)
+    if world_size == 1:
+        return CommStats()
+    nbytes = numel * element_size * (world_size - 1 if rank == root else 1)
+    return CommStats(nbytes, nbytes, 2)
+
+
+def check_rank(rank: int, world_size: int, name: str = "rank") -> None:
+    """Raise ValueError unless ``world_size >= 1`` and ``0 <= rank < world_size``."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, not {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"{name} {rank} is not in [0, {world_size})")
+
+
+def _check_size(numel: int, element_size: int) -> None:
+    if numel < 0 or element_size < 1:
+        raise ValueError(f"need numel >= 0 and element_size >= 1, not {numel}, {element_size}")
