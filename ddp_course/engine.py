@@ -21,7 +21,9 @@ from .runtime import DistContext
 __all__ = [
     "EpochStats",
     "TrainConfig",
+    "check_same_training",
     "evaluate",
+    "parameter_gap",
     "shard_indices",
     "train_one_epoch",
     "write_results",
@@ -38,12 +40,15 @@ class TrainConfig:
 
     epochs: int = dataclasses.field(default=5, metadata={"help": "passes over the data"})
     batch_size: int = dataclasses.field(default=32, metadata={"help": "samples per step per rank"})
-    lr: float = dataclasses.field(default=1e-3, metadata={"help": "Adam learning rate"})
+    lr: float = dataclasses.field(default=1e-3, metadata={"help": "learning rate"})
     seed: int = dataclasses.field(default=0, metadata={"help": "seed, the same on every rank"})
     data_dir: str = dataclasses.field(default="data", metadata={"help": "folder for full MNIST"})
     data_source: str = dataclasses.field(
-        default="auto",
-        metadata={"help": "auto, full or subset", "choices": ["auto", "full", "subset"]},
+        default="subset",
+        metadata={
+            "help": "subset (the bundled 5,000 digits), full or auto (full when online)",
+            "choices": ["auto", "full", "subset"],
+        },
     )
     checkpoint: str | None = dataclasses.field(
         default=None, metadata={"help": "save the model here after each epoch, resume from it"}
@@ -93,7 +98,20 @@ class TrainConfig:
                 batch size or learning rate, with argparse's usage message.
         """
         parser = cls.parser(description)
-        config = cls(**vars(parser.parse_args(argv)))
+        return cls.from_namespace(vars(parser.parse_args(argv)), parser)
+
+    @classmethod
+    def from_namespace(cls, values: dict, parser: argparse.ArgumentParser) -> TrainConfig:
+        """A config from parsed ``values``; keys that are not fields are ignored.
+
+        For scripts that add options of their own to :meth:`parser`.
+
+        Raises:
+            SystemExit: through ``parser.error`` on a non-positive epoch
+                count, batch size or learning rate.
+        """
+        names = {field.name for field in dataclasses.fields(cls)}
+        config = cls(**{k: v for k, v in values.items() if k in names})
         for name in ("epochs", "batch_size", "lr"):
             if getattr(config, name) <= 0:
                 parser.error(f"--{name.replace('_', '-')} must be positive")
@@ -229,3 +247,56 @@ def write_results(ctx: DistContext, path: str | None, results: dict) -> None:
     out = pathlib.Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
+
+
+def parameter_gap(a: nn.Module, b: nn.Module) -> float:
+    """Largest absolute difference between matching parameters of ``a`` and ``b``.
+
+    Parameters are paired in ``parameters()`` order and compared in float64.
+
+    Raises:
+        ValueError: if the models do not have the same parameter shapes.
+    """
+    pa, pb = list(a.parameters()), list(b.parameters())
+    if [p.shape for p in pa] != [p.shape for p in pb]:
+        raise ValueError("the two models do not have the same parameter shapes")
+    return max(
+        (p.detach().double() - q.detach().double()).abs().max().item() for p, q in zip(pa, pb)
+    )
+
+
+def check_same_training(
+    reference: nn.Module, other: nn.Module, initial: nn.Module, atol: float
+) -> dict[str, float]:
+    """Assert that ``other`` trained exactly like ``reference``, to ``atol``.
+
+    The check of lesson 05's claim "N ranks x batch b = one process x batch
+    N*b": every parameter of ``other`` equals the one of ``reference`` within
+    ``atol`` (float rounding: the all-reduce sums in another order than one
+    process does), while training moved ``reference`` away from ``initial``
+    by more than ``100 * atol``, so the tolerance cannot hide a real step.
+    Use plain SGD: its step is proportional to the gradient, so a gradient
+    off by a factor N moves the parameters N times as far; Adam's step
+    hardly changes when every gradient is scaled (Kingma and Ba 2015,
+    section 2.1) and would hide it.
+
+    Returns:
+        ``{"gap": largest |other - reference|, "moved": largest
+        |reference - initial|}``, both in parameter units.
+
+    Raises:
+        AssertionError: if the gap exceeds ``atol`` or training did not move
+            the parameters by more than ``100 * atol``.
+    """
+    gap, moved = parameter_gap(reference, other), parameter_gap(reference, initial)
+    if moved <= 100 * atol:
+        raise AssertionError(
+            f"training moved the parameters by at most {moved:.2e}, not more than 100 x the "
+            f"tolerance {atol:.0e}: train longer or with a larger learning rate"
+        )
+    if gap > atol:
+        raise AssertionError(
+            f"the models differ by up to {gap:.2e} ({gap / atol:,.0f} x the tolerance "
+            f"{atol:.0e}): they did not take the same steps"
+        )
+    return {"gap": gap, "moved": moved}
