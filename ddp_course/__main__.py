@@ -91,19 +91,21 @@ def run_notebook(path: pathlib.Path, out: pathlib.Path, timeout_s: int) -> None:
 
 
 def _kernel_config():
-    """Kernel manager settings: IPC sockets on POSIX instead of TCP.
+    """Kernel manager settings: encrypted kernel sockets where zmq can.
 
-    Over TCP, ipykernel logs "Kernel is running over TCP without encryption"
-    on stderr once per kernel, in the middle of ``course``'s progress bar.
-    Unix domain sockets are reachable from this machine only, so the warning
-    does not apply, and the kernel does not print it.
+    Over plain TCP, ipykernel logs "Kernel is running over TCP without
+    encryption" on stderr once per kernel, in the middle of ``course``'s
+    progress bar. jupyter_client then provisions CurveZMQ keys for kernels
+    that declare support (ipykernel's kernel.json does), so the warning's
+    cause is gone; where pyzmq lacks CurveZMQ, the kernel logs errors only.
     """
+    import zmq
     from traitlets.config import Config
 
     config = Config()
-    if os.name == "posix":
-        config.KernelManager.transport = "ipc"
-    else:  # no IPC transport: keep the kernel's warnings out of the bar
+    if zmq.has("curve"):
+        config.KernelManager.transport_encryption = "auto"
+    else:
         config.NotebookClient.extra_arguments = ["--log-level=ERROR"]
     return config
 

@@ -1,8 +1,10 @@
 """The command line: environment check and the headless course runner."""
 
+import platform
+
 import nbformat
 
-from ddp_course.__main__ import main
+from ddp_course.__main__ import KERNELSPEC, main
 
 
 def _notebook(path, source):
@@ -29,3 +31,33 @@ def test_course_runs_in_order_writes_copies_and_reports_failures(tmp_path, capsy
     assert executed.cells[0].outputs[0]["text"] == "fine\n"
     assert nbformat.read(good, as_version=4).cells[0].outputs == []  # original untouched
     assert (out_dir / "02_bad.ipynb").exists()  # kept up to the failing cell
+
+
+def test_executed_notebooks_carry_jupyterlabs_metadata_and_no_kernel_warning(tmp_path, capfd):
+    # JupyterLab rewrites a notebook whose kernelspec differs from the installed one,
+    # which marks it modified as soon as it is opened.
+    path = tmp_path / "01_meta.ipynb"
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1 + 1")])
+    nb.metadata["kernelspec"] = {
+        "display_name": "Python 3",
+        "language": "python",
+        "name": "python3",
+    }
+    nbformat.write(nb, path)
+    assert main(["execute", str(path)]) == 0
+    metadata = nbformat.read(path, as_version=4).metadata
+    assert metadata["kernelspec"] == KERNELSPEC
+    assert metadata["language_info"]["name"] == "python"
+    assert metadata["language_info"]["version"] == platform.python_version()
+    # The kernel's stderr is this process's: its TCP warning would land in the bar.
+    captured = capfd.readouterr()
+    assert "without encryption" not in captured.err + captured.out
+
+
+def test_kernelspec_is_the_installed_kernels():
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    spec = KernelSpecManager().get_kernel_spec(KERNELSPEC["name"])
+    assert {"display_name": spec.display_name, "language": spec.language} == {
+        k: KERNELSPEC[k] for k in ("display_name", "language")
+    }
