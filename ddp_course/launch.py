@@ -4,24 +4,40 @@ Why not ``!torchrun ...`` in a cell: a failing or hanging ``!`` command still
 passes under nbval, its output is lost under pytest, and a killed
 ``torchrun`` leaves its workers behind holding the port. This launcher
 
-- starts ``python -m torch.distributed.run`` with a c10d rendezvous on a
-  free loopback port (no fixed ``MASTER_PORT`` to collide);
+- prints one line saying what runs, as a learner would type it
+  (``$ torchrun --nproc_per_node=2 ../scripts/05_train_ddp.py --epochs 1``),
+  and one closing line with the wall time;
+- chooses the device for the whole job with
+  :func:`ddp_course.runtime.device_plan`: CUDA only when every rank gets a GPU,
+  otherwise CPU and gloo, said in one line and passed to the workers in
+  ``DDP_COURSE_DEVICE``;
+- starts torchrun's agent (``torch.distributed.run``) with a c10d rendezvous
+  on a free loopback port (no fixed ``MASTER_PORT`` to collide), and keeps a
+  single-node job reachable from this machine only: every store and gloo
+  listen on the loopback interface, never on all interfaces;
 - keeps per-rank logs (torchrun's ``--log-dir``) and streams rank 0's
   output live through a pipe, printed from Python so Jupyter and pytest
   both capture it;
 - on a timeout, kills the whole process group, workers included;
 - on a failure, raises :class:`LaunchError` naming the failing rank and
   showing the end of its traceback;
-- hands back the JSON results file the script wrote, if asked.
+- hands back the JSON results file the script wrote, if asked;
+- leaves nothing in the temporary directory (the agent's temporary files go
+  into the launcher's own temporary folder, removed afterwards).
+
+Run as a module, ``python -m ddp_course.launch [--tmpdir DIR] TORCHRUN_ARGS``
+is torchrun with loopback-only stores; :func:`torchrun` starts it that way.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import os
 import pathlib
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -33,6 +49,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import psutil
+
+from .runtime import DEVICE_ENV, device_plan
 
 __all__ = ["LaunchError", "LaunchResult", "LaunchTimeout", "free_port", "python", "torchrun"]
 
@@ -89,6 +107,50 @@ _ROOT_RANK = re.compile(r"Root Cause.*?rank\s*:\s*(\d+)", re.DOTALL)
 # hides its warnings and notes, the failure report keeps everything.
 _TORCHRUN_LOG = re.compile(r"^[WI]\d{4} \d\d:\d\d:\d\d")
 _TORCHRUN_BANNER = ("*****************************************", "Setting OMP_NUM_THREADS")
+# Flags that make a job span several nodes; the launcher then leaves
+# addresses and interfaces to them instead of pinning everything to loopback.
+_MULTI_NODE_FLAGS = frozenset({
+    "--rdzv-endpoint", "--rdzv_endpoint", "--rdzv-backend", "--rdzv_backend",
+    "--master-addr", "--master_addr", "--master-port", "--master_port",
+    "--node-rank", "--node_rank", "--local-addr", "--local_addr",
+})  # fmt: skip
+
+
+def loopback_interface() -> str | None:
+    """Name of the network interface that holds 127.0.0.1 (``lo`` on Linux,
+    ``lo0`` on macOS), or ``None`` if there is none."""
+    for name, addresses in psutil.net_if_addrs().items():
+        for address in addresses:
+            if address.family == socket.AF_INET and address.address.startswith("127."):
+                return name
+    return None
+
+
+def _is_multi_node(extra_torchrun_args: Sequence[str]) -> bool:
+    for arg in extra_torchrun_args:
+        flag, _, value = arg.partition("=")
+        if flag in _MULTI_NODE_FLAGS or (flag == "--nnodes" and value not in ("1", "1:1")):
+            return True
+    return False
+
+
+def _shown_path(script: str | os.PathLike) -> str:
+    # What a learner would type: the path as given when relative, else
+    # relative to the current folder, else the bare name; never an absolute
+    # path of this machine in a stored output.
+    path = pathlib.Path(script)
+    if not path.is_absolute():
+        return str(path)
+    try:
+        return str(path.relative_to(pathlib.Path.cwd()))
+    except ValueError:
+        return path.name
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _read_rank_logs(log_dir: pathlib.Path) -> dict[int, str]:
@@ -172,13 +234,19 @@ def _run_job(
     script: pathlib.Path,
     nproc: int,
     timeout_s: float,
-    env: Mapping[str, str] | None,
+    env: Mapping[str, str],
     echo: bool,
     logs_path: pathlib.Path | None,
     results_path: pathlib.Path | None,
+    shown: str,
 ) -> LaunchResult:
-    """Start ``cmd`` in a session of its own, stream it, wait, and judge it."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    """Start ``cmd`` in a session of its own, stream it, wait, and judge it.
+
+    ``shown`` is the command as a learner would type it, printed first so a
+    cell that echoes nothing still says what it is waiting for.
+    """
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
+    print(f"$ {shown}", flush=True)
     start = time.perf_counter()
     proc = subprocess.Popen(
         cmd,
@@ -243,6 +311,7 @@ def _run_job(
             raise LaunchError(f"{script.name} exited cleanly but wrote no --results file",
                               None, 0, logs)  # fmt: skip
         data = json.loads(results_path.read_text())
+    print(f"{script.name} finished in {wall_s:.1f} s", flush=True)
     return LaunchResult(returncode, output, logs, data, wall_s)
 
 
@@ -256,8 +325,22 @@ def torchrun(
     results: bool = False,
     echo: bool = True,
     extra_torchrun_args: Sequence[str] = (),
+    gpus: int | None = None,
 ) -> LaunchResult:
     """Run ``torchrun --nproc_per_node=nproc script *args`` and wait for it.
+
+    Prints ``$ torchrun ...`` (the command a learner would type) when the
+    job starts and ``<script> finished in <s> s`` when it ends. The device
+    follows :func:`ddp_course.runtime.device_plan`: with fewer GPUs than
+    ``nproc`` the job runs on CPU with gloo and one line says so; the workers
+    learn the plan from ``DDP_COURSE_DEVICE`` (an explicit
+    ``DDP_COURSE_DEVICE`` in ``env`` or the environment wins).
+
+    A single-node job listens on loopback only: the rendezvous store and the
+    agent's store are bound to 127.0.0.1 and gloo and nccl use the loopback
+    interface (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``), unless
+    ``extra_torchrun_args`` name a rendezvous endpoint, master address or
+    several nodes, or ``env`` sets those variables.
 
     Args:
         script: path of the Python script (relative to the current folder).
@@ -269,15 +352,19 @@ def torchrun(
             folder, removed afterwards).
         results: pass ``--results <file>`` to the script and return the
             JSON it wrote there.
-        echo: print rank 0's output live.
+        echo: print rank 0's output live (the first and last lines are
+            printed either way).
         extra_torchrun_args: more torchrun flags, e.g. ``["--max-restarts=1"]``.
+        gpus: GPUs on this machine for the device rule; default
+            ``torch.cuda.device_count()`` (0 without CUDA). ``gpus=0`` runs
+            the job on CPU.
 
     Returns:
         :class:`LaunchResult`.
 
     Raises:
         FileNotFoundError: if ``script`` does not exist.
-        ValueError: if ``nproc`` < 1.
+        ValueError: if ``nproc`` < 1 or ``gpus`` < 0.
         LaunchTimeout: the job ran past ``timeout_s``; all its processes
             were killed.
         LaunchError: a rank failed; the message names it and shows its
@@ -286,14 +373,31 @@ def torchrun(
     path = _check_script(script)
     if nproc < 1:
         raise ValueError(f"nproc must be at least 1, not {nproc}")
+    env = dict(env or {})
+    prefix = ""
+    if DEVICE_ENV not in env and DEVICE_ENV not in os.environ:
+        plan = device_plan(nproc, _gpu_count() if gpus is None else gpus)
+        env[DEVICE_ENV] = plan.device_type
+        if plan.fallback:
+            print(plan.reason, flush=True)
+            prefix = f"{DEVICE_ENV}=cpu "
+    single_node = not _is_multi_node(extra_torchrun_args)
+    loopback = loopback_interface() if single_node else None
+    if loopback is not None:
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            if name not in env and name not in os.environ:
+                env[name] = loopback
     with tempfile.TemporaryDirectory(prefix="ddp_course_") as tmp:
         logs_path = pathlib.Path(log_dir) if log_dir is not None else pathlib.Path(tmp, "logs")
         results_path = pathlib.Path(tmp, "results.json") if results else None
+        agent_tmp = pathlib.Path(tmp, "agent")
+        agent_tmp.mkdir()
         cmd = [
-            sys.executable, "-m", "torch.distributed.run",
+            sys.executable, "-m", "ddp_course.launch", "--tmpdir", str(agent_tmp),
             f"--nproc_per_node={nproc}",
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+            *(["--local-addr=127.0.0.1"] if single_node else []),
             f"--log-dir={logs_path}",
             "--tee=3",
             "--local-ranks-filter=0",
@@ -303,7 +407,13 @@ def torchrun(
         ]  # fmt: skip
         if results_path is not None:
             cmd += ["--results", str(results_path)]
-        return _run_job(cmd, path, nproc, timeout_s, env, echo, logs_path, results_path)
+        shown = shlex.join(
+            ["torchrun", f"--nproc_per_node={nproc}", *extra_torchrun_args, _shown_path(script),
+             *args]
+        )  # fmt: skip
+        return _run_job(
+            cmd, path, nproc, timeout_s, env, echo, logs_path, results_path, prefix + shown
+        )
 
 
 def python(
@@ -315,7 +425,8 @@ def python(
     echo: bool = True,
 ) -> LaunchResult:
     """Run ``python script *args`` as one plain process (no torchrun), like
-    :func:`torchrun` otherwise: live output, timeout, errors, results.
+    :func:`torchrun` otherwise: first and last lines, live output, timeout,
+    errors, results.
 
     ``logs`` of the result is ``{0: output}``. Raises as :func:`torchrun`.
     """
@@ -325,4 +436,79 @@ def python(
         cmd = [sys.executable, str(path.resolve()), *args]
         if results_path is not None:
             cmd += ["--results", str(results_path)]
-        return _run_job(cmd, path, 1, timeout_s, env, echo, None, results_path)
+        shown = shlex.join(["python", _shown_path(script), *args])
+        return _run_job(cmd, path, 1, timeout_s, dict(env or {}), echo, None, results_path, shown)
+
+
+# --- torchrun with loopback-only stores (what ``python -m ddp_course.launch`` runs) ---
+
+_TCPSTORE_ARGS = ("world_size", "is_master", "timeout", "wait_for_workers", "multi_tenant",
+                  "master_listen_fd", "use_libuv")  # fmt: skip
+
+
+def _loopback_family(host: str) -> int | None:
+    if host == "localhost":
+        return socket.AF_INET
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if not address.is_loopback:
+        return None
+    return socket.AF_INET if address.version == 4 else socket.AF_INET6
+
+
+def _loopback_tcpstore(base: type) -> type:
+    """A subclass of ``torch.distributed.TCPStore`` whose server listens on
+    loopback only when its host is a loopback address.
+
+    TCPStore's server binds every interface (``::``) whatever its host name;
+    the one way to narrow it is ``master_listen_fd``, a socket already bound
+    (https://pytorch.org/docs/stable/distributed.html#torch.distributed.TCPStore).
+    """
+
+    class LoopbackTCPStore(base):
+        def __init__(self, host_name: str, port: int, *args: Any, **kwargs: Any) -> None:
+            kwargs.update(zip(_TCPSTORE_ARGS, args))
+            family = _loopback_family(host_name)
+            if kwargs.get("is_master") and kwargs.get("master_listen_fd") is None and family:
+                sock = socket.socket(family, socket.SOCK_STREAM)
+                try:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    sock.bind((host_name, port))
+                except OSError as exc:
+                    sock.close()
+                    # RuntimeError is what torch's rendezvous expects from a
+                    # store that cannot start (it then retries as a client).
+                    raise RuntimeError(f"cannot listen on {host_name}:{port}: {exc}") from exc
+                port = sock.getsockname()[1]
+                kwargs["master_listen_fd"] = sock.detach()  # the store owns it now
+            super().__init__(host_name, port, **kwargs)
+
+    return LoopbackTCPStore
+
+
+def _torchrun_on_loopback(argv: Sequence[str]) -> None:
+    """torchrun's ``main`` with every TCPStore server on a loopback host bound
+    to loopback, and the agent's temporary files in ``--tmpdir DIR``."""
+    import torch.distributed as dist
+    from torch.distributed import run
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, static_tcp_rendezvous
+
+    argv = list(argv)
+    if argv[:1] == ["--tmpdir"]:
+        # Only the agent's own files: the workers keep the usual temporary
+        # folder (compile caches live there).
+        tempfile.tempdir = argv[1]
+        argv = argv[2:]
+    store = _loopback_tcpstore(dist.TCPStore)
+    # The rendezvous backends bound the name at import; the agent's own store
+    # is created through ``dist.TCPStore``.
+    for module in (dist, c10d_rendezvous_backend, static_tcp_rendezvous):
+        if hasattr(module, "TCPStore"):
+            module.TCPStore = store
+    run.main(argv)
+
+
+if __name__ == "__main__":
+    _torchrun_on_loopback(sys.argv[1:])

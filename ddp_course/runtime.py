@@ -27,8 +27,12 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 __all__ = [
+    "DEVICE_ENV",
+    "DevicePlan",
     "DistContext",
     "barrier",
+    "device_for_rank",
+    "device_plan",
     "distributed",
     "get_logger",
     "pick_backend",
@@ -81,22 +85,111 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
 
 
+# Set by ddp_course.launch.torchrun for every worker: "cuda" or "cpu", the
+# device type of the plan it chose (see device_plan). A learner may set it too,
+# e.g. DDP_COURSE_DEVICE=cpu torchrun --nproc_per_node=4 script.py on a 1-GPU box.
+DEVICE_ENV = "DDP_COURSE_DEVICE"
+
+
+@dataclasses.dataclass(frozen=True)
+class DevicePlan:
+    """Where the ranks of one node run, decided once for the whole job.
+
+    Attributes:
+        device_type: ``"cuda"`` (one GPU per local rank) or ``"cpu"``.
+        backend: ``"nccl"`` with CUDA, ``"gloo"`` on CPU.
+        reason: one line for a learner, e.g. ``"2 ranks, 1 GPU: running on
+            CPU with gloo so every rank has a device"``.
+        fallback: True when the node has GPUs but the plan leaves them unused.
+    """
+
+    device_type: str
+    backend: str
+    reason: str
+    fallback: bool = False
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def device_plan(nproc_per_node: int, gpu_count: int) -> DevicePlan:
+    """The course's device rule: CUDA and nccl only when every local rank gets its own GPU.
+
+    With fewer GPUs than ranks (a laptop, a one-GPU cloud notebook running a
+    2-rank lesson) the whole job runs on CPU with gloo, so the lesson still
+    runs (nccl expects one GPU per rank, and the course's scripts map local
+    rank ``r`` to ``cuda:r``).
+
+    Args:
+        nproc_per_node: ranks (processes) on this node, at least 1.
+        gpu_count: GPUs visible on this node (``torch.cuda.device_count()``).
+
+    Returns:
+        A :class:`DevicePlan`; a pure function of its arguments.
+
+    Raises:
+        ValueError: ``nproc_per_node`` < 1 or ``gpu_count`` < 0.
+    """
+    if nproc_per_node < 1:
+        raise ValueError(f"nproc_per_node must be at least 1, not {nproc_per_node}")
+    if gpu_count < 0:
+        raise ValueError(f"gpu_count cannot be negative, not {gpu_count}")
+    ranks, gpus = _plural(nproc_per_node, "rank"), _plural(gpu_count, "GPU")
+    if gpu_count == 0:
+        return DevicePlan("cpu", "gloo", f"{ranks}, no GPU: running on CPU with gloo")
+    if nproc_per_node <= gpu_count:
+        return DevicePlan("cuda", "nccl", f"{ranks}, {gpus}: one GPU per rank with nccl")
+    reason = f"{ranks}, {gpus}: running on CPU with gloo so every rank has a device"
+    return DevicePlan("cpu", "gloo", reason, fallback=True)
+
+
+def device_for_rank(local_rank: int, gpu_count: int, planned: str | None = None) -> torch.device:
+    """The device of one local rank, given the GPU count and the launcher's plan.
+
+    Args:
+        local_rank: rank on this node, >= 0.
+        gpu_count: GPUs visible to this process.
+        planned: ``"cpu"``, ``"cuda"`` or ``None`` (no plan: plain
+            ``torchrun`` or ``python``), usually read from ``DDP_COURSE_DEVICE``.
+
+    Returns:
+        ``cuda:<local_rank>`` or ``cpu``. Without a plan: CUDA whenever there
+        is a GPU, CPU otherwise.
+
+    Raises:
+        RuntimeError: CUDA is asked for (or there is no plan and there are
+            GPUs) but ``local_rank`` has no GPU of its own; the message says
+            how many processes fit, or how to run on CPU instead.
+        ValueError: ``planned`` is not ``"cpu"``, ``"cuda"`` or ``None``.
+    """
+    if planned not in (None, "cpu", "cuda"):
+        raise ValueError(f"{DEVICE_ENV} must be 'cpu' or 'cuda', not {planned!r}")
+    if planned == "cpu" or (planned is None and gpu_count == 0):
+        return torch.device("cpu")
+    if local_rank >= gpu_count:
+        raise RuntimeError(
+            f"local rank {local_rank} has no GPU: this node has {gpu_count}. "
+            f"Use --nproc_per_node={gpu_count} or fewer, or run every rank on CPU "
+            f"with {DEVICE_ENV}=cpu."
+        )
+    return torch.device("cuda", local_rank)
+
+
+def _gpu_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def pick_device(local_rank: int = 0) -> torch.device:
     """The device for a process: ``cuda:<local_rank>`` when CUDA is usable, else CPU.
+
+    The rule without a launcher's plan (see :func:`device_for_rank`).
 
     Raises:
         RuntimeError: if there are GPUs but fewer than ``local_rank + 1``;
             launch at most ``torch.cuda.device_count()`` processes per node.
     """
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    count = torch.cuda.device_count()
-    if local_rank >= count:
-        raise RuntimeError(
-            f"local rank {local_rank} has no GPU: this node has {count}. "
-            f"Use --nproc_per_node={count} or fewer."
-        )
-    return torch.device("cuda", local_rank)
+    return device_for_rank(local_rank, _gpu_count())
 
 
 def pick_backend(device: torch.device) -> str:
@@ -124,6 +217,8 @@ def distributed(
     Args:
         backend: ``"gloo"``, ``"nccl"`` or ``"mpi"``; default from the device.
         device: override the device (e.g. ``"cpu"`` to run gloo on a GPU box).
+            ``None``: the plan of the launcher (``DDP_COURSE_DEVICE``, set by
+            :func:`ddp_course.launch.torchrun`) if any, else :func:`pick_device`.
         timeout_s: collective timeout in seconds; a short one turns a hang
             (mismatched collectives, uneven inputs) into an error.
 
@@ -132,7 +227,9 @@ def distributed(
 
     Raises:
         RuntimeError: if the environment names a world size but no rank, or
-            the rank does not fit the world size.
+            the rank does not fit the world size, or this local rank has no
+            GPU of its own (see :func:`device_for_rank`).
+        ValueError: ``DDP_COURSE_DEVICE`` is neither ``cpu`` nor ``cuda``.
     """
     world_size = _env_int("WORLD_SIZE", 1)
     in_launcher = "WORLD_SIZE" in os.environ
@@ -144,7 +241,11 @@ def distributed(
     if not 0 <= rank < world_size:
         raise RuntimeError(f"RANK={rank} does not fit WORLD_SIZE={world_size}")
 
-    dev = torch.device(device) if device is not None else pick_device(local_rank)
+    if device is not None:
+        dev = torch.device(device)
+    else:
+        planned = os.environ.get(DEVICE_ENV) or None
+        dev = device_for_rank(local_rank, _gpu_count(), planned)
     if dev.type == "cuda":
         if dev.index is None:
             dev = torch.device("cuda", local_rank)

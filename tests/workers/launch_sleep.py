@@ -1,0 +1,43 @@
+"""Worker for the launcher's tests: join the group, report the device, then sleep.
+
+Runs as ``python tests/workers/launch_sleep.py`` and as
+``torchrun --nproc_per_node=2 tests/workers/launch_sleep.py --sleep 1``.
+With ``--ready-dir DIR`` each rank creates ``DIR/rank<r>`` once every rank
+has joined the group, so a test can inspect a job that is running.
+``--pretend-gpus N`` makes torch report N GPUs in this process (none can be
+used), to test the device rule on a CPU machine.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import time
+
+import torch
+
+from ddp_course.runtime import DEVICE_ENV, barrier, distributed
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--sleep", type=float, default=0.0, help="seconds to sleep in the group")
+parser.add_argument("--ready-dir", help="folder where each rank marks that it joined")
+parser.add_argument("--pretend-gpus", type=int, help="GPUs torch.cuda should report")
+parser.add_argument("--results")
+args = parser.parse_args()
+if args.pretend_gpus is not None:
+    torch.cuda.is_available = lambda: args.pretend_gpus > 0
+    torch.cuda.device_count = lambda: args.pretend_gpus
+
+with distributed() as ctx:
+    planned = os.environ.get(DEVICE_ENV)
+    print(f"rank {ctx.rank}: device {ctx.device}, backend {ctx.backend}, "
+          f"{DEVICE_ENV}={planned}", flush=True)  # fmt: skip
+    barrier(ctx)
+    if args.ready_dir:
+        pathlib.Path(args.ready_dir, f"rank{ctx.rank}").touch()
+    time.sleep(args.sleep)
+    barrier(ctx)
+    if args.results and ctx.is_main:
+        with open(args.results, "w") as f:
+            json.dump({"device": str(ctx.device), "backend": ctx.backend,
+                       "tmpdir": os.environ.get("TMPDIR")}, f)  # fmt: skip
