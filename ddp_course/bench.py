@@ -256,7 +256,17 @@ def ring_all_reduce_time(nbytes: float, world_size: int, link: AlphaBeta) -> flo
 
     2(N-1) steps (reduce-scatter then all-gather), each moving one chunk of
     S/N bytes over every link at once (Patarasuk and Yuan 2009; Gibiansky
-    2017). ``link`` is the point-to-point model of one step's exchange.
+    2017). The model assumes every rank has a full-duplex link of its own;
+    where all ranks share one machine's cores, time follows the total
+    bytes instead.
+
+    Args:
+        nbytes: message size S in bytes.
+        world_size: N ranks, >= 1.
+        link: the point-to-point model of one step's exchange (seconds, s/byte).
+
+    Returns:
+        Seconds; 0 for one rank.
 
     Raises:
         ValueError: if ``world_size < 1``.
@@ -272,7 +282,15 @@ def parameter_server_time(nbytes: float, world_size: int, link: AlphaBeta) -> fl
 
     The server's link carries the N-1 workers' tensors in, then the result
     out to each, 2(N-1)S bytes one after the other: the bottleneck that
-    grows with N. ``link`` is the point-to-point model.
+    grows with N (the byte counts are ``comm_cost.parameter_server_bytes``).
+
+    Args:
+        nbytes: message size S in bytes.
+        world_size: N ranks, >= 1.
+        link: the point-to-point model of a one-way send (seconds, s/byte).
+
+    Returns:
+        Seconds; 0 for one rank.
 
     Raises:
         ValueError: if ``world_size < 1``.

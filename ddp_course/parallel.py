@@ -23,8 +23,8 @@ its parts in ``torch/nn/parallel/`` (``scatter_gather.py``,
 recommends DDP instead:
 https://pytorch.org/docs/stable/notes/cuda.html#use-nn-parallel-distributeddataparallel-instead-of-multiprocessing-or-nn-dataparallel.
 
-Data parallelism across processes (a naive and a bucketed DDP with DDP's
-``no_sync()``) belongs in this module too; lesson 05 adds it.
+Data parallelism across processes, DDP written from scratch (a naive and a
+bucketed version with DDP's ``no_sync()``), is lesson 07's, in ``ddp_course.ddp``.
 """
 
 from __future__ import annotations

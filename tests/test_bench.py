@@ -2,6 +2,7 @@
 scripts/04_allreduce.py with a tiny sweep."""
 
 import math
+import time
 
 import numpy as np
 import pytest
@@ -133,9 +134,14 @@ def test_message_sizes_and_format_bytes():
 
 def test_time_op_single_process_counts_calls():
     calls = []
-    times = time_op(lambda: calls.append(1), DistContext(), warmup=3, repeats=4)
+
+    def fn():
+        calls.append(1)
+        time.sleep(0.002)  # sleeps at least this long: the timed window must contain it
+
+    times = time_op(fn, DistContext(), warmup=3, repeats=4)
     assert len(calls) == 7
-    assert len(times) == 4 and all(t >= 0 for t in times)
+    assert len(times) == 4 and min(times) >= 0.002
     with pytest.raises(ValueError):
         time_op(lambda: None, DistContext(), repeats=0)
 
@@ -156,6 +162,13 @@ def test_script_04_tiny_sweep_under_torchrun(root):
                                      row["busbw_GBps"], strict=True):  # fmt: skip
             assert alg == pytest.approx(size / t / 1e9)
             assert bus == pytest.approx(alg * busbw_factor(collective, 2))
+    # The busiest rank's rate: at N = 2 ring and server both send S bytes from every rank;
+    # the backend's own algorithm is not counted.
+    for name in ("ring", "ps", "send"):
+        row = r["sweep"][name]
+        for size, t, rate in zip(r["sizes"], row["median_s"], row["busiest_GBps"], strict=True):
+            assert rate == pytest.approx(size / t / 1e9)
+    assert r["sweep"]["torch"]["busiest_GBps"] == [None] * 3
     assert set(r["fits"]) == {"torch", "ring", "ps", "send", "exchange"}
     assert len(r["ring_over_torch_algbw"]) == 3
 
