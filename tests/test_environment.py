@@ -34,6 +34,29 @@ def test_environment_yml_pins_equal_pyproject(root):
     assert conda == pinned
 
 
+def _exact_pins(specs) -> dict[str, str]:
+    pins = {}
+    for spec in specs:
+        req = Requirement(spec)
+        (specifier,) = req.specifier  # exactly one: a pin, not a range
+        assert specifier.operator in ("==", "==="), spec
+        pins[req.name.lower()] = specifier.operator + specifier.version
+    return pins
+
+
+@pytest.mark.parametrize("extra", ["lab", "site"])
+def test_part_extras_pin_what_pinned_pins(root, extra):
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    extras = extras["optional-dependencies"]
+    part, pinned = _exact_pins(extras[extra]), _exact_pins(extras["pinned"])
+    assert part and {name: pinned.get(name) for name in part} == part
+
+
+def test_conda_environment_has_jupyterlab_and_the_site_tools(root):
+    conda = _pins_from_environment_yml((root / "environment.yml").read_text())
+    assert {"jupyterlab", "sphinx", "myst-nb"} <= set(conda)
+
+
 def test_pins_fall_inside_the_supported_range(root):
     project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
     ranges = {Requirement(s).name: Requirement(s).specifier for s in project["dependencies"]}
