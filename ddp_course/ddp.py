@@ -194,9 +194,10 @@ class BucketedDDP(nn.Module):
       rank 0's parameters and buffers, and pack the trainable parameters (tied
       ones once, frozen ones not at all) into buckets in reverse registration
       order, roughly the order in which backward produces their gradients. A
-      bucket closes once it holds ``bucket_cap_mb`` megabytes (10**6 bytes)
-      or more, so a cap smaller than every parameter gives one bucket per
-      parameter; a new dtype or device also starts a new bucket.
+      bucket closes once it holds ``bucket_cap_mb`` megabytes or more
+      (2**20 bytes to a megabyte, as torch counts them), so a cap smaller
+      than every parameter gives one bucket per parameter; a new dtype or
+      device also starts a new bucket.
     - forward: broadcast rank 0's buffers first (``broadcast_buffers``), as
       torch does when the previous forward was a synchronised one.
     - backward: a post-accumulate-grad hook copies each gradient into its
@@ -223,7 +224,7 @@ class BucketedDDP(nn.Module):
         events: timestamps (``time.perf_counter()`` seconds) of the last
             synchronised backward: ``("grad", name, t)`` when a gradient was
             ready, ``("launch", i, t)`` and ``("done", i, t)`` per bucket all-reduce
-            (``done`` as observed by the waiting callback's future),
+            (``done`` from the all-reduce future's completion callback),
             ``("end", None, t)`` when the callback had finished.
 
     Args:
@@ -233,6 +234,9 @@ class BucketedDDP(nn.Module):
         broadcast_buffers: broadcast rank 0's buffers (e.g. BatchNorm running
             statistics) before each synchronised forward.
         find_unused_parameters: handle parameters that get no gradient.
+        overlap: launch a bucket's all-reduce during backward as soon as it
+            is full (True, as torch does) or all of them after backward
+            (False, to see what overlap buys).
 
     Raises:
         ValueError: ``bucket_cap_mb <= 0``; parameters differ across ranks.
@@ -248,6 +252,7 @@ class BucketedDDP(nn.Module):
         process_group: Any = None,
         broadcast_buffers: bool = True,
         find_unused_parameters: bool = False,
+        overlap: bool = True,
     ):
         super().__init__()
         if not bucket_cap_mb > 0:
@@ -257,6 +262,7 @@ class BucketedDDP(nn.Module):
         self.module = module
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
+        self.overlap = overlap
         self.require_backward_grad_sync = True
         self._sync_buffers_next_forward = True
         self._sync_backward = True
@@ -264,7 +270,7 @@ class BucketedDDP(nn.Module):
         _broadcast_state(module, self.process_group)
         # named_parameters() yields a tied parameter once, under its first name.
         self._names = {p: n for n, p in module.named_parameters() if p.requires_grad}
-        self.buckets = self._make_buckets(list(self._names)[::-1], bucket_cap_mb * 1e6)
+        self.buckets = self._make_buckets(list(self._names)[::-1], bucket_cap_mb * 2**20)
         self._where = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._next_launch = 0
         self._queued = False
@@ -278,14 +284,11 @@ class BucketedDDP(nn.Module):
         groups: list[list[nn.Parameter]] = []
         size = 0.0
         for p in params:
+            kind = (p.dtype, p.device)
             if (
                 not groups
                 or size >= cap_bytes
-                or (groups[-1][0].dtype, groups[-1][0].device)
-                != (
-                    p.dtype,
-                    p.device,
-                )
+                or kind != (groups[-1][0].dtype, groups[-1][0].device)
             ):
                 groups.append([])
                 size = 0.0
@@ -341,7 +344,8 @@ class BucketedDDP(nn.Module):
         bucket.view(i).copy_(param.grad)
         bucket.ready.add(param)
         self._pending_events.append(("grad", self._names[param], now))
-        self._launch_ready()
+        if self.overlap:
+            self._launch_ready()
 
     def _launch_ready(self) -> None:
         # Launch in bucket order only: every rank must call the same
@@ -381,7 +385,8 @@ class BucketedDDP(nn.Module):
                 bucket, i = self._where[p]
                 bucket.view(i).zero_()
                 bucket.ready.add(p)
-            self._launch_ready()
+        self._launch_ready()  # the rest (all of them when overlap=False)
+        if self.find_unused_parameters:
             params = list(self._where)
             missing = set(unused)  # tensors hash by identity
             used = torch.tensor([float(p not in missing) for p in params])

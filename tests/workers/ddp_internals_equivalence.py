@@ -133,7 +133,7 @@ with distributed() as ctx:
         return max_diff(local, reference), max_diff(local, torch_local), info
 
     total_bytes = sum(p.numel() * 4 for p in Net().parameters() if p.requires_grad)
-    caps = {"one_bucket": 100.0, "two_buckets": total_bytes / 2 / 1e6, "per_param": 1e-9}
+    caps = {"one_bucket": 100.0, "two_buckets": total_bytes / 2 / 2**20, "per_param": 1e-9}
     for sometimes in (False, True):
         for cap_name, cap in caps.items():
             name = f"bucketed/{cap_name}/{'sometimes' if sometimes else 'always'}"

@@ -1,0 +1,186 @@
+"""DDP from scratch: average_gradients, NaiveDDP and BucketedDDP against torch's DDP.
+
+Run from the repository root:
+    python scripts/07_ddp_from_scratch.py
+    torchrun --nproc_per_node=2 scripts/07_ddp_from_scratch.py --steps 3
+
+Every rank trains each from-scratch version next to torch's DDP, from the same
+start on the same data, and reports the largest parameter difference. Then it
+times one backward pass per rank (gradients ready, each bucket's all-reduce)
+for one bucket per parameter, buckets reduced after backward, and buckets
+overlapped with backward; and it runs gradient accumulation with no_sync
+right and wrong. Rank 0 writes everything to --results as JSON.
+"""
+
+import argparse
+import contextlib
+import json
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddp_course.ddp import BucketedDDP, NaiveDDP, average_gradients
+from ddp_course.models import LayerStack
+from ddp_course.runtime import distributed, get_logger
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=3, help="SGD steps per comparison")
+    p.add_argument("--batch-size", type=int, default=32, help="samples per rank per step")
+    p.add_argument("--width", type=int, default=256, help="width of the layer stack")
+    p.add_argument("--layers", type=int, default=8, help="hidden layers (2 tensors each)")
+    p.add_argument("--bucket-cap-mb", type=float, default=0.5, help="bucket capacity, MB")
+    p.add_argument("--accum", type=int, default=4, help="micro-batches per optimizer step")
+    p.add_argument("--results", help="write the measurements here as JSON (rank 0)")
+    return p.parse_args()
+
+
+def make_model(args, seed):
+    torch.manual_seed(seed)
+    return LayerStack(784, args.width, args.layers, num_classes=10)
+
+
+def global_batches(args, world_size, steps, per_rank):
+    gen = torch.Generator().manual_seed(1)  # the same global batches on every rank
+    n = world_size * per_rank
+    return [(torch.randn(n, 784, generator=gen), torch.randint(0, 10, (n,), generator=gen))
+            for _ in range(steps)]  # fmt: skip
+
+
+def max_param_diff(a, b):
+    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+
+
+def compare_with_torch(kind, args, ctx):
+    """Largest |parameter - torch DDP's| after ``args.steps`` SGD steps."""
+    reference = DDP(make_model(args, seed=0))
+    # Ranks other than 0 start elsewhere on purpose: the broadcast must fix that.
+    local = make_model(args, seed=0 if ctx.rank == 0 else 100 + ctx.rank)
+    if kind == "average_gradients":
+        with torch.no_grad():  # by hand: rank 0's parameters to everyone
+            for p in local.parameters():
+                dist.broadcast(p, src=0)
+        model = local
+    elif kind == "NaiveDDP":
+        model = NaiveDDP(local)
+    else:
+        model = BucketedDDP(local, bucket_cap_mb=args.bucket_cap_mb)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (reference, model)]
+    b = args.batch_size
+    mine = slice(ctx.rank * b, (ctx.rank + 1) * b)
+    for x, y in global_batches(args, ctx.world_size, args.steps, b):
+        for m, opt in zip((reference, model), opts):
+            opt.zero_grad()
+            F.cross_entropy(m(x[mine]), y[mine]).backward()
+            if kind == "average_gradients" and m is model:
+                average_gradients(model)  # NEW: the one line after backward
+            opt.step()
+    return max_param_diff(local, reference.module)
+
+
+def timeline(args, ctx, cap_mb, overlap):
+    """Times (ms from the start of backward) of gradients and bucket all-reduces, this rank."""
+    model = BucketedDDP(make_model(args, 0), bucket_cap_mb=cap_mb, overlap=overlap)
+    x, y = global_batches(args, 1, 1, args.batch_size)[0]
+    for _ in range(3):  # the last one is recorded; the first ones warm up
+        loss = F.cross_entropy(model(x), y)
+        start = time.perf_counter()
+        loss.backward()
+        stop = time.perf_counter()
+    ms = {kind: [] for kind in ("grad", "launch", "done")}
+    for kind, _, t in model.events:
+        if kind in ms:
+            ms[kind].append(1e3 * (t - start))
+    return {"buckets": len(model.buckets), "backward_returned": 1e3 * (stop - start), **ms}
+
+
+class AllReduceCounter:
+    """Counts dist.all_reduce calls made through torch.distributed's Python API."""
+
+    def __init__(self):
+        self.calls, self.inner = 0, dist.all_reduce
+
+    def __call__(self, *a, **kw):
+        self.calls += 1
+        return self.inner(*a, **kw)
+
+
+def accumulate(args, ctx, how):
+    """One optimizer step from ``args.accum`` micro-batches, three ways of using no_sync."""
+    k, b = args.accum, args.batch_size
+    model = BucketedDDP(make_model(args, 0), bucket_cap_mb=args.bucket_cap_mb)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = global_batches(args, ctx.world_size, 1, k * b)[0]
+    mine = torch.arange(ctx.world_size * k * b).view(ctx.world_size, k, b)[ctx.rank]
+    counter = AllReduceCounter()
+    dist.all_reduce = counter
+    try:
+        for i in range(k):
+            last = i == k - 1
+            xs, ys = x[mine[i]], y[mine[i]]
+            if how == "right":  # forward and backward inside no_sync, except the last
+                with model.no_sync() if not last else contextlib.nullcontext():
+                    (F.cross_entropy(model(xs), ys) / k).backward()
+            elif how == "backward_only":  # forward outside: torch's DDP syncs anyway
+                loss = F.cross_entropy(model(xs), ys) / k
+                with model.no_sync() if not last else contextlib.nullcontext():
+                    loss.backward()
+            else:  # "never": the last micro-batch inside no_sync too
+                with model.no_sync():
+                    (F.cross_entropy(model(xs), ys) / k).backward()
+    finally:
+        dist.all_reduce = counter.inner
+    opt.step()
+    # The same step on one process, with the whole global batch.
+    single = make_model(args, 0)
+    single_opt = torch.optim.SGD(single.parameters(), lr=0.05)
+    F.cross_entropy(single(x), y).backward()
+    single_opt.step()
+    # How far apart the ranks' parameters are after the step.
+    flat = torch.cat([p.detach().flatten() for p in model.module.parameters()])
+    everyone = [torch.empty_like(flat) for _ in range(ctx.world_size)]
+    dist.all_gather(everyone, flat)
+    spread = max((t - everyone[0]).abs().max().item() for t in everyone)
+    return {"all_reduce_calls": counter.calls, "buckets": len(model.buckets),
+            "diff_single": max_param_diff(model.module, single), "rank_spread": spread}  # fmt: skip
+
+
+def main():
+    args = parse_args()
+    with distributed() as ctx:
+        log = get_logger(ctx)
+        if not ctx.is_distributed:
+            # One plain process: a process group of one over an in-memory
+            # store, so the same wrappers run (and average over one rank).
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        world_size = dist.get_world_size()
+        diffs = {k: compare_with_torch(k, args, ctx)
+                 for k in ("average_gradients", "NaiveDDP", "BucketedDDP")}  # fmt: skip
+        for kind, diff in diffs.items():
+            log.info(f"{kind:17s} max |param - torch DDP| after {args.steps} steps: {diff:.2e}")
+        timelines = {
+            "per parameter": timeline(args, ctx, cap_mb=1e-9, overlap=True),
+            "buckets after backward": timeline(args, ctx, args.bucket_cap_mb, overlap=False),
+            "buckets overlapped": timeline(args, ctx, args.bucket_cap_mb, overlap=True),
+        }
+        per_rank = [None] * world_size
+        dist.all_gather_object(per_rank, timelines)
+        accumulation = {how: accumulate(args, ctx, how)
+                        for how in ("right", "backward_only", "never")}  # fmt: skip
+        global_batch = args.batch_size * args.accum * world_size
+        log.info(f"global batch = micro-batch {args.batch_size} x accumulation {args.accum} "
+                 f"x world size {world_size} = {global_batch} samples per step")  # fmt: skip
+        if ctx.is_main and args.results:
+            with open(args.results, "w") as f:
+                json.dump({"world_size": world_size, "steps": args.steps, "diffs": diffs,
+                           "timelines": per_rank, "accumulation": accumulation,
+                           "accum": args.accum,
+                           "batch_size": args.batch_size}, f)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
