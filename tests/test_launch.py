@@ -1,5 +1,9 @@
 """launch: results, per-rank logs, failures named by rank, timeouts that kill all."""
 
+import ipaddress
+import re
+import tempfile
+import threading
 import time
 
 import psutil
@@ -81,3 +85,89 @@ def test_free_port_is_bindable():
     port = launch.free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+def test_workers_that_ignore_sigterm_are_killed_after_a_timeout(workers):
+    marker = "launch_ignore_sigterm.py"
+    try:
+        with pytest.raises(launch.LaunchTimeout):
+            launch.torchrun(workers / marker, nproc=2, timeout_s=10, echo=False)
+        time.sleep(0.5)
+        assert _alive(marker) == []
+    finally:
+        for proc in _alive(marker):  # leave nothing behind even when the test fails
+            proc.kill()
+
+
+def _listening(procs: list[psutil.Process]) -> dict[int, list[str]]:
+    found = {}
+    for proc in procs:
+        found[proc.pid] = [
+            c.laddr.ip for c in proc.net_connections("inet") if c.status == psutil.CONN_LISTEN
+        ]
+    return found
+
+
+def test_a_single_node_job_listens_on_loopback_only(workers, tmp_path):
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    job = {}
+    run = threading.Thread(target=lambda: job.update(result=launch.torchrun(
+        workers / "launch_sleep.py", ["--sleep", "5", "--ready-dir", str(ready)], nproc=2,
+        timeout_s=120, echo=False,
+    )))  # fmt: skip
+    run.start()
+    deadline = time.monotonic() + 100
+    while len(list(ready.iterdir())) < 2 and run.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(list(ready.iterdir())) == 2, "the job did not start"
+    (agent,) = psutil.Process().children()  # torchrun's agent
+    listening = _listening([agent, *agent.children(recursive=True)])
+    run.join()
+    assert "result" in job
+    # The agent hosts the rendezvous store and the workers' store; gloo listens in
+    # every worker. None of them may listen on 0.0.0.0, :: or a real interface.
+    assert len(listening[agent.pid]) >= 1
+    assert sum(map(len, listening.values())) >= 3, listening
+    for pid, addresses in listening.items():
+        for address in addresses:
+            assert ipaddress.ip_address(address).is_loopback, (pid, address)
+
+
+def test_nothing_is_left_in_the_temporary_directory(workers, tmp_path, monkeypatch):
+    system_tmp = tmp_path / "tmp"
+    system_tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(system_tmp))  # for torchrun's agent and the workers
+    monkeypatch.setattr(tempfile, "tempdir", str(system_tmp))  # for the launcher
+    launch.torchrun(workers / "launch_sleep.py", nproc=1, timeout_s=120, echo=False)
+    assert list(system_tmp.iterdir()) == []
+
+
+def test_restarts_still_rendezvous_on_loopback(workers):
+    job = launch.torchrun(workers / "launch_restart.py", nproc=2, results=True, timeout_s=180,
+                          echo=False, extra_torchrun_args=["--max-restarts=1"])  # fmt: skip
+    assert job.results == {"attempt": 1, "sum_of_ranks_plus_one": 3.0}
+
+
+def test_the_job_is_announced_as_a_learner_would_type_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "hello.py").write_text("print('hello')\n")
+    launch.python("scripts/hello.py", ["--epochs", "1"], echo=False)
+    launch.python(tmp_path / "scripts" / "hello.py", echo=False)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "$ python scripts/hello.py --epochs 1"
+    assert re.fullmatch(r"hello\.py finished in \d+\.\d s", lines[1])
+    assert lines[2] == "$ python scripts/hello.py"  # absolute paths shown relative
+
+
+def test_torchrun_announcement_hides_the_launchers_own_flags(workers, capsys):
+    launch.torchrun(workers / "launch_sleep.py", nproc=2, timeout_s=120, echo=False,
+                    extra_torchrun_args=["--max-restarts=0"])  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(
+        r"\$ torchrun --nproc_per_node=2 --max-restarts=0 (\S+/)?launch_sleep\.py", lines[0]
+    )
+    assert not [word for word in lines[0].split() if word.startswith("/")]  # no machine paths
+    assert lines[-1].startswith("launch_sleep.py finished in ")
+    assert len(lines) == 2  # echo=False: nothing else
