@@ -1,13 +1,14 @@
 # make setup   create .venv with the pinned environment (once; again when pyproject.toml changes)
 # make course  run every notebook headless, in order, into build/notebooks
 # make test    pytest: package, scripts under torchrun, notebook sync, nbval
-# make lab     JupyterLab on the notebooks
+# make lab     JupyterLab at the repository root (terminals there, .venv/bin first on PATH)
+# make site    the executed notebooks as a website in build/site (nothing is re-run)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup course test lab lint
+.PHONY: setup course test lab lint site
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,3 +31,6 @@ lint: $(STAMP)
 
 lab: $(STAMP)
 	$(PY) -m ddp_course lab
+
+site: $(STAMP)
+	$(PY) docs/build_site.py --out build/site

@@ -1,0 +1,17 @@
+"""Sphinx settings of the course's website (built by docs/build_site.py, not directly)."""
+
+project = "ddp-course"
+author = "ddp-course authors"
+extensions = ["myst_nb"]
+# The site shows the committed outputs: one clean run per notebook, nothing re-run.
+nb_execution_mode = "off"
+# Widget outputs (tqdm bars) fall back to their stored text form.
+nb_render_markdown_format = "commonmark"
+myst_heading_anchors = 3
+html_theme = "furo"
+html_title = "ddp-course"
+html_copy_source = False
+html_show_sourcelink = False
+exclude_patterns = ["_build", "**.ipynb_checkpoints"]
+# MyST's heading-level check is about style, not broken output.
+suppress_warnings = ["myst.header"]
