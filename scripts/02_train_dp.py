@@ -2,7 +2,7 @@
 
     python scripts/02_train_dp.py --epochs 1                  # CPU: 2 threads, from scratch
     python scripts/02_train_dp.py --epochs 5                  # GPUs: nn.DataParallel, all GPUs
-    python scripts/02_train_dp.py --impl scratch --replicas 4 --results ../build/02.json
+    python scripts/02_train_dp.py --impl scratch --replicas 4 --results build/02.json
     torchrun --nproc_per_node=1 scripts/02_train_dp.py        # works; more processes are refused
 
 One process drives every replica, so there is nothing for torchrun to
@@ -102,15 +102,18 @@ def main() -> None:
         )
 
         steps: list[dict[str, float]] = []
+        starts: list[float] = []  # when each training forward pass began (seconds)
 
         def record(module, _inputs):
+            if not module.training:
+                return
+            starts.append(time.perf_counter())
             # A training forward pass starts after the previous step's backward
             # pass, so module.timings then holds a whole step, "reduce" included.
-            if module.training and "reduce" in module.timings:
+            if "reduce" in getattr(module, "timings", {}):
                 steps.append(dict(module.timings))
 
-        if isinstance(model, parallel.DataParallel):
-            model.register_forward_pre_hook(record)
+        model.register_forward_pre_hook(record)
         history, start = [], time.perf_counter()
         for epoch in range(start_epoch, cfg.epochs):
             stats = train_one_epoch(
@@ -122,6 +125,8 @@ def main() -> None:
                     "epoch": epoch,
                     "train_loss": stats.loss,
                     "samples_per_s": stats.samples_per_s,
+                    "seconds": stats.seconds,
+                    "samples": stats.samples,
                     "test_accuracy": metrics["accuracy"],
                 }
             )
@@ -148,6 +153,8 @@ def main() -> None:
                 "batch_size": cfg.batch_size,
                 "history": history,
                 "step_seconds": parts,
+                # From one training forward to the next: a whole step, loading included.
+                "step_wall_s": [b - a for a, b in zip(starts, starts[1:], strict=False)],
                 "test_accuracy": history[-1]["test_accuracy"] if history else None,
                 "wall_s": time.perf_counter() - start,
             },

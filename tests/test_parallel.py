@@ -205,6 +205,8 @@ def test_script_trains_with_threads(root, tmp_path):
     res = result.results
     assert res["impl"].endswith("DataParallel") and len(res["devices"]) == 2
     assert 0.0 <= res["test_accuracy"] <= 1.0
+    assert res["history"][0]["samples"] == 3 * 16
+    assert len(res["step_wall_s"]) == 2  # the intervals between 3 training forward passes
     if res["impl"] == "ddp_course.parallel.DataParallel":
         assert set(res["step_seconds"]) == {
             "scatter", "replicate", "parallel_apply", "gather", "reduce"
