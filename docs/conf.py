@@ -5,8 +5,8 @@ author = "ddp-course authors"
 extensions = ["myst_nb"]
 # The site shows the committed outputs: one clean run per notebook, nothing re-run.
 nb_execution_mode = "off"
-# Widget outputs (tqdm bars) fall back to their stored text form.
-nb_render_markdown_format = "commonmark"
+# Markdown that cells display (tables included) renders as GitHub-flavoured Markdown.
+nb_render_markdown_format = "gfm"
 myst_heading_anchors = 3
 html_theme = "furo"
 html_title = "ddp-course"
