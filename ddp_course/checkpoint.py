@@ -6,8 +6,9 @@ Rules (https://pytorch.org/tutorials/intermediate/ddp_tutorial.html, section
 - save once, on rank 0, then ``barrier()`` so no rank reads a half-written
   file; write to a temporary file and ``os.replace`` it, so a crash never
   leaves a truncated checkpoint;
-- save the unwrapped module's state dict (no ``module.`` prefix) and strip
-  the prefix when loading one saved from a wrapper;
+- save the unwrapped module's state dict (no ``module.`` prefix, nor the
+  ``_orig_mod.`` prefix of a ``torch.compile``'d model) and strip the
+  prefixes when loading one saved from a wrapper;
 - load with ``map_location`` onto this rank's device, and with
   ``weights_only=True`` (the default since torch 2.6): store tensors and
   plain Python values only.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import pickle
 import tempfile
 from typing import Any
 
@@ -29,25 +31,45 @@ from .runtime import DistContext, barrier
 __all__ = ["load_checkpoint", "portable_state_dict", "save_checkpoint", "unwrap"]
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The model inside data-parallel wrappers (or the model itself).
+# The prefixes wrappers put in front of the wrapped model's keys: DP and DDP
+# keep it as ``.module``; torch.compile's OptimizedModule as ``._orig_mod``.
+_WRAPPER_ATTRIBUTES = ("module", "_orig_mod")
 
-    A wrapper is any module that keeps the wrapped model as ``.module``:
-    ``nn.DataParallel``, DDP and the course's own ``parallel.DataParallel``.
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside data-parallel and compile wrappers (or the model itself).
+
+    A wrapper is any module that keeps the wrapped model as ``.module``
+    (``nn.DataParallel``, DDP, the course's own ``parallel.DataParallel``) or
+    as ``._orig_mod`` (``torch.compile``), nested in any order.
     """
-    while isinstance(getattr(model, "module", None), nn.Module):
-        model = model.module
-    return model
+    while True:
+        inner = next(
+            (
+                getattr(model, name)
+                for name in _WRAPPER_ATTRIBUTES
+                if isinstance(getattr(model, name, None), nn.Module)
+            ),
+            None,
+        )
+        if inner is None or inner is model:
+            return model
+        model = inner
 
 
 def portable_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A copy of ``state`` without the ``module.`` prefix that DP and DDP add.
+    """A copy of ``state`` without the ``module.`` prefix that DP and DDP add
+    nor the ``_orig_mod.`` prefix of ``torch.compile``, nested in any order.
 
     Loads into a plain model; a DP or DDP model loads it into ``.module``.
     """
     state = dict(state)
-    consume_prefix_in_state_dict_if_present(state, "module.")
-    return state
+    while True:
+        before = list(state)
+        for name in _WRAPPER_ATTRIBUTES:
+            consume_prefix_in_state_dict_if_present(state, f"{name}.")
+        if list(state) == before:
+            return state
 
 
 def save_checkpoint(
@@ -96,12 +118,22 @@ def load_checkpoint(
 
     Raises:
         FileNotFoundError: if ``path`` does not exist.
-        RuntimeError: if the keys or shapes do not match the model.
+        RuntimeError: if the file cannot be read as a checkpoint (truncated,
+            corrupt, or holding objects ``weights_only`` refuses); the message
+            names the file. Also if the keys or shapes do not match the model.
     """
     path = pathlib.Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no checkpoint at {path}")
-    payload = torch.load(path, map_location=map_location, weights_only=True)
+    try:
+        payload = torch.load(path, map_location=map_location, weights_only=True)
+    except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as exc:
+        # torch's own message names neither the file nor what to do.
+        raise RuntimeError(
+            f"cannot load the checkpoint {path}: {exc}\nThe file is damaged (an interrupted "
+            "copy?), is not a checkpoint, or holds objects that weights_only=True refuses "
+            "(see above): save it again with tensors and plain values, or use another file."
+        ) from exc
     if "model" not in payload:
         payload = {"model": payload}
     unwrap(model).load_state_dict(portable_state_dict(payload.pop("model")))

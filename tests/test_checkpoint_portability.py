@@ -84,3 +84,32 @@ def test_naive_load_shows_the_prefix_error(group, src):
         wrapped.load_state_dict(SmallCNN().state_dict())
     # The fix, by hand: strip the prefix.
     SmallCNN().load_state_dict(portable_state_dict(wrapped.state_dict()))
+
+
+def test_a_compiled_model_is_unwrapped_without_compiling(group, tmp_path):
+    torch.manual_seed(3)
+    model = SmallCNN()
+    compiled = torch.compile(model)  # nothing compiles until the first call
+    assert unwrap(compiled) is model
+    assert unwrap(DDP(compiled)) is model and unwrap(nn.DataParallel(compiled)) is model
+    assert all(k.startswith("_orig_mod.") for k in compiled.state_dict())
+    save_checkpoint(group, tmp_path / "c.pt", compiled)
+    state = torch.load(tmp_path / "c.pt", weights_only=True)["model"]
+    assert state.keys() == model.state_dict().keys()  # no _orig_mod. in the file
+    target = build("plain", seed=4)
+    load_checkpoint(tmp_path / "c.pt", target)
+    same_parameters(model, target)
+
+
+@pytest.mark.parametrize("prefix", ["_orig_mod.", "module._orig_mod.", "_orig_mod.module."])
+def test_compiled_prefixes_are_stripped(group, tmp_path, prefix):
+    source = build("plain", seed=5)
+    saved = {prefix + k: v for k, v in source.state_dict().items()}
+    with pytest.raises(RuntimeError, match="Unexpected key"):
+        SmallCNN().load_state_dict(saved)
+    assert portable_state_dict(saved).keys() == source.state_dict().keys()
+    torch.save(saved, tmp_path / "raw.pt")
+    for kind in KINDS:
+        target = build(kind, seed=6)
+        load_checkpoint(tmp_path / "raw.pt", target)
+        same_parameters(source, target)

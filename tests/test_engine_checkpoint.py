@@ -1,5 +1,7 @@
 """engine and checkpoint in one process."""
 
+import pathlib
+
 import pytest
 import torch
 from torch import nn
@@ -101,3 +103,40 @@ def test_checkpoint_loads_into_the_course_data_parallel(tmp_path):
     checkpoint.load_checkpoint(tmp_path / "c.pt", wrapped)
     for a, b in zip(model.state_dict().values(), wrapped.module.state_dict().values()):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "empty"])
+def test_a_corrupt_checkpoint_error_names_the_file(tmp_path, damage):
+    path = tmp_path / "c.pt"
+    checkpoint.save_checkpoint(CTX, path, MLP())
+    data = path.read_bytes()
+    path.write_bytes({"truncated": data[: len(data) // 2], "garbage": b"not a checkpoint" * 9,
+                      "empty": b""}[damage])  # fmt: skip
+    with pytest.raises(RuntimeError, match="cannot load the checkpoint") as info:
+        checkpoint.load_checkpoint(path, MLP())
+    assert str(path) in str(info.value)
+
+
+def test_a_save_that_fails_midway_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    path = tmp_path / "c.pt"
+    torch.manual_seed(0)
+    old = MLP()
+    checkpoint.save_checkpoint(CTX, path, old, epoch=1)
+    real_save = torch.save
+
+    def crash_midway(obj, f, *args, **kwargs):
+        # Write half a checkpoint to whatever file save_checkpoint chose, then die.
+        real_save(obj, f, *args, **kwargs)
+        with open(f, "r+b") as handle:
+            handle.truncate(pathlib.Path(f).stat().st_size // 2)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", crash_midway)
+    with pytest.raises(OSError, match="disk full"):
+        checkpoint.save_checkpoint(CTX, path, MLP(), epoch=2)
+    monkeypatch.undo()
+    fresh = MLP()
+    assert checkpoint.load_checkpoint(path, fresh) == {"epoch": 1}  # the previous one, intact
+    for a, b in zip(old.state_dict().values(), fresh.state_dict().values()):
+        torch.testing.assert_close(a, b)
+    assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]  # no temporary file left
