@@ -12,6 +12,7 @@ import json
 import pathlib
 import re
 
+import nbformat
 import pytest
 
 from ddp_course.__main__ import KERNELSPEC
@@ -114,9 +115,21 @@ def problems(nb: dict) -> list[str]:
     return found
 
 
+def saving_changes_it(text: str) -> bool:
+    """Whether Jupyter, saving the notebook unchanged, would write other bytes.
+
+    Jupyter's server saves with ``nbformat.write`` (sorted keys, one-space indent,
+    cell ids, a final newline); committed files written otherwise change on save.
+    """
+    return nbformat.writes(nbformat.reads(text, as_version=4)) + "\n" != text
+
+
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_is_clean(notebook):
-    found = problems(json.loads(notebook.read_text()))
+    text = notebook.read_text()
+    found = problems(json.loads(text))
+    if saving_changes_it(text):
+        found.append("saving it unchanged rewrites the file: store it with nbformat.write")
     assert found == [], "\n".join(found)
 
 
@@ -217,6 +230,13 @@ def _set_output(cell: int, text: str, name: str = "stdout"):
 def test_each_defect_is_caught(change, expected):
     found = problems(_with(change))
     assert any(expected in line for line in found), found
+
+
+def test_a_notebook_written_otherwise_than_jupyter_writes_is_caught():
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# Title")])
+    assert not saving_changes_it(nbformat.writes(nb) + "\n")
+    assert saving_changes_it(json.dumps(nb, indent=2) + "\n")
+    assert saving_changes_it(nbformat.writes(nb))  # no final newline
 
 
 def test_widget_bars_stored_below_100_percent_are_caught():
