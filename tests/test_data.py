@@ -45,8 +45,33 @@ def test_full_mnist_is_used_when_present(tmp_path):
         images, labels = data._FILES[split]
         data._write_idx(raw / images, np.zeros((n, 28, 28), np.uint8))
         data._write_idx(raw / labels, np.zeros(n, np.uint8))
-    split = data.load_mnist(tmp_path, train=False, download=False)
+    split = data.load_mnist(tmp_path, train=False, source="auto", download=False)
     assert split.source == "full" and len(split.dataset) == 10_000
+    assert data.load_mnist(tmp_path, train=False, source="full").source == "full"
+    # The default stays the bundled subset, so every learner sees the stored numbers.
+    split = data.load_mnist(tmp_path, train=False)
+    assert split.source == "subset" and len(split.dataset) == 1000
+
+
+def test_the_network_is_probed_once_per_process_with_a_short_timeout(tmp_path, monkeypatch):
+    calls = []
+
+    def offline(address, timeout=None):
+        calls.append((address, timeout))
+        raise OSError("network unreachable")
+
+    monkeypatch.setattr(data.socket, "create_connection", offline)
+    data._online.cache_clear()
+    try:
+        for train in (True, False, True):
+            split = data.load_mnist(tmp_path, train=train, source="auto", download=True)
+            assert split.source == "subset"
+        with pytest.raises(FileNotFoundError, match="could not be downloaded"):
+            data.load_mnist(tmp_path, source="full", download=True)
+    finally:
+        data._online.cache_clear()  # the next test probes for itself
+    assert len(calls) == 1
+    assert calls[0][1] is not None and calls[0][1] <= 3
 
 
 def test_build_subset_round_trips_through_torchvision(tmp_path):
