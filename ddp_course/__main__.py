@@ -200,6 +200,10 @@ def lab(extra: Sequence[str]) -> int:
     except ImportError:
         print("JupyterLab is not installed here: run `make setup` (or pip install -e '.[lab]').")
         return 1
+    if not NOTEBOOKS.is_dir():
+        print(f"No notebooks next to the package ({NOTEBOOKS}): install it editable from a")
+        print("clone of the repository (`make setup`, or pip install -e .) and run it there.")
+        return 1
     # Not resolved: .venv/bin/python is a link to the base interpreter.
     bin_dir = pathlib.Path(sys.executable).parent
     env = dict(os.environ, PATH=os.pathsep.join([str(bin_dir), os.environ.get("PATH", "")]))

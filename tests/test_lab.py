@@ -118,6 +118,8 @@ def lab_server(root, tmp_path):
 
 def test_lab_terminal_runs_lesson_commands_from_the_repository_root(lab_server, root):
     url, token = lab_server
+    with urllib.request.urlopen(f"{url}/?token={token}", timeout=10) as response:
+        assert response.url.split("?")[0].endswith("/lab/tree/notebooks/00_course_setup.ipynb")
     listing = _api(f"{url}/api/contents/notebooks", token)
     assert "00_course_setup.ipynb" in {item["name"] for item in listing["content"]}
     # JupyterLab's launcher asks for the file browser's folder; lessons need the root.
