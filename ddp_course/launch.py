@@ -222,6 +222,30 @@ def _kill_job(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
     proc.wait()
 
 
+# Seconds between the "still running" lines of a job that echoes nothing: a
+# learner sees it is alive; few enough lines to read in a stored output.
+HEARTBEAT_S = 10.0
+
+
+def _wait(
+    proc: subprocess.Popen, name: str, start: float, timeout_s: float, heartbeat: bool
+) -> int:
+    """``proc.wait(timeout_s)``, printing ``  ... NAME still running, N s`` every
+    :data:`HEARTBEAT_S` seconds when ``heartbeat``; raises ``TimeoutExpired``."""
+    deadline = start + timeout_s
+    while True:
+        left = deadline - time.perf_counter()
+        try:
+            return proc.wait(timeout=max(0.0, min(left, HEARTBEAT_S)))
+        except subprocess.TimeoutExpired:
+            if time.perf_counter() >= deadline:
+                raise
+            if heartbeat:
+                print(
+                    f"  ... {name} still running, {time.perf_counter() - start:.0f} s", flush=True
+                )
+
+
 def _check_script(script: str | os.PathLike) -> pathlib.Path:
     path = pathlib.Path(script)
     if not path.exists():
@@ -279,7 +303,7 @@ def _run_job(
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
     try:
-        returncode = proc.wait(timeout=timeout_s)
+        returncode = _wait(proc, script.name, start, timeout_s, heartbeat=not echo)
     except subprocess.TimeoutExpired:
         _kill_job(proc)
         reader.join(timeout=5)
@@ -352,8 +376,9 @@ def torchrun(
             folder, removed afterwards).
         results: pass ``--results <file>`` to the script and return the
             JSON it wrote there.
-        echo: print rank 0's output live (the first and last lines are
-            printed either way).
+        echo: print rank 0's output live. The first and last lines are
+            printed either way; without echo, a line every
+            :data:`HEARTBEAT_S` seconds says the job is still running.
         extra_torchrun_args: more torchrun flags, e.g. ``["--max-restarts=1"]``.
         gpus: GPUs on this machine for the device rule; default
             ``torch.cuda.device_count()`` (0 without CUDA). ``gpus=0`` runs

@@ -170,4 +170,19 @@ def test_torchrun_announcement_hides_the_launchers_own_flags(workers, capsys):
     )
     assert not [word for word in lines[0].split() if word.startswith("/")]  # no machine paths
     assert lines[-1].startswith("launch_sleep.py finished in ")
-    assert len(lines) == 2  # echo=False: nothing else
+    for line in lines[1:-1]:  # echo=False: nothing else but "still running" lines
+        assert re.fullmatch(r"  \.\.\. launch_sleep\.py still running, \d+ s", line)
+
+
+def test_a_silent_job_says_it_is_still_running(tmp_path, monkeypatch, capsys):
+    script = tmp_path / "slow.py"
+    script.write_text("import time\ntime.sleep(2.5)\nprint('never shown')\n")
+    monkeypatch.setattr(launch, "HEARTBEAT_S", 1.0)
+    launch.python(script, echo=False)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "$ python slow.py"
+    assert re.fullmatch(r"slow\.py finished in \d+\.\d s", lines[-1])
+    beats = lines[1:-1]
+    assert len(beats) >= 2 and all(re.fullmatch(r"  \.\.\. slow\.py still running, \d+ s", b)
+                                   for b in beats)  # fmt: skip
+    assert "never shown" not in "\n".join(lines)
