@@ -176,12 +176,16 @@ class _Bucket:
             total += p.numel()
         self.buffer = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
         self.nbytes = total * self.buffer.element_size()
+        # Views into the flat buffer, made once: slicing every step costs time.
+        self.views = [
+            self.buffer[o : o + p.numel()].view_as(p) for o, p in zip(self.offsets, params)
+        ]
         self.ready: set[nn.Parameter] = set()
         self.work: Any = None
 
     def view(self, i: int) -> torch.Tensor:
-        p = self.params[i]
-        return self.buffer[self.offsets[i] : self.offsets[i] + p.numel()].view_as(p)
+        """Parameter ``i``'s slot in the buffer, shaped like the parameter."""
+        return self.views[i]
 
 
 class BucketedDDP(nn.Module):

@@ -91,11 +91,17 @@ def timeline(args, ctx, cap_mb, overlap):
         start = time.perf_counter()
         loss.backward()
         stop = time.perf_counter()
-    ms = {kind: [] for kind in ("grad", "launch", "done")}
-    for kind, _, t in model.events:
-        if kind in ms:
-            ms[kind].append(1e3 * (t - start))
-    return {"buckets": len(model.buckets), "backward_returned": 1e3 * (stop - start), **ms}
+    grads, per_bucket = [], {"launch": {}, "done": {}}
+    for kind, where, t in model.events:
+        if kind == "grad":
+            grads.append(1e3 * (t - start))
+        elif kind in per_bucket:
+            per_bucket[kind][where] = 1e3 * (t - start)
+    returned = 1e3 * (stop - start)
+    buckets = range(len(model.buckets))
+    return {"buckets": len(model.buckets), "backward_returned": returned, "grad": grads,
+            "launch": [per_bucket["launch"][i] for i in buckets],
+            "done": [per_bucket["done"].get(i, returned) for i in buckets]}  # fmt: skip
 
 
 class AllReduceCounter:
