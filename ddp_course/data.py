@@ -35,6 +35,7 @@ __all__ = [
     "MNIST_STD",
     "MnistSplit",
     "build_subset",
+    "has_full_mnist",
     "load_mnist",
     "synthetic_classification",
 ]
@@ -72,6 +73,12 @@ def _transform():
     return transforms.Compose(
         [transforms.ToTensor(), transforms.Normalize((MNIST_MEAN,), (MNIST_STD,))]
     )
+
+
+def has_full_mnist(data_dir: str | os.PathLike = "data") -> bool:
+    """True when ``data_dir/MNIST/raw`` holds full MNIST (60,000/10,000 digits),
+    what ``load_mnist(data_dir, source="full")`` would read without a download."""
+    return _has_full(pathlib.Path(data_dir))
 
 
 def _has_full(root: pathlib.Path) -> bool:

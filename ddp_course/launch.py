@@ -52,7 +52,16 @@ import psutil
 
 from .runtime import DEVICE_ENV, device_plan
 
-__all__ = ["LaunchError", "LaunchResult", "LaunchTimeout", "free_port", "python", "torchrun"]
+__all__ = [
+    "HEARTBEAT_S",
+    "LaunchError",
+    "LaunchResult",
+    "LaunchTimeout",
+    "free_port",
+    "loopback_interface",
+    "python",
+    "torchrun",
+]
 
 
 class LaunchError(RuntimeError):

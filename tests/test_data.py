@@ -45,6 +45,7 @@ def test_full_mnist_is_used_when_present(tmp_path):
         images, labels = data._FILES[split]
         data._write_idx(raw / images, np.zeros((n, 28, 28), np.uint8))
         data._write_idx(raw / labels, np.zeros(n, np.uint8))
+    assert data.has_full_mnist(tmp_path) and not data.has_full_mnist(data.BUNDLED_ROOT)
     split = data.load_mnist(tmp_path, train=False, source="auto", download=False)
     assert split.source == "full" and len(split.dataset) == 10_000
     assert data.load_mnist(tmp_path, train=False, source="full").source == "full"

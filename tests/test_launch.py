@@ -139,8 +139,12 @@ def test_nothing_is_left_in_the_temporary_directory(workers, tmp_path, monkeypat
     system_tmp.mkdir()
     monkeypatch.setenv("TMPDIR", str(system_tmp))  # for torchrun's agent and the workers
     monkeypatch.setattr(tempfile, "tempdir", str(system_tmp))  # for the launcher
-    launch.torchrun(workers / "launch_sleep.py", nproc=1, timeout_s=120, echo=False)
+    job = launch.torchrun(workers / "launch_sleep.py", nproc=1, timeout_s=120, echo=False,
+                          results=True)  # fmt: skip
     assert list(system_tmp.iterdir()) == []
+    # gloo is pinned to the loopback interface too (here it would pick 127.0.0.1
+    # anyway, since this machine's hostname resolves there; not on every laptop).
+    assert job.results["gloo_ifname"] == launch.loopback_interface() is not None
 
 
 def test_restarts_still_rendezvous_on_loopback(workers):

@@ -40,4 +40,4 @@ with distributed() as ctx:
     if args.results and ctx.is_main:
         with open(args.results, "w") as f:
             json.dump({"device": str(ctx.device), "backend": ctx.backend,
-                       "tmpdir": os.environ.get("TMPDIR")}, f)  # fmt: skip
+                       "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME")}, f)  # fmt: skip
