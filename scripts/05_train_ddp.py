@@ -95,7 +95,7 @@ def train(ctx: DistContext, cfg: TrainConfig, optimizer_name: str, grad_reduce: 
                         "test_loss": metrics["loss"]})  # fmt: skip
         log.info(f"epoch {epoch}: train loss {stats.loss:.4f}, test accuracy "
                  f"{metrics['accuracy']:.4f}, {stats.samples_per_s:,.0f} samples/s")  # fmt: skip
-        if cfg.checkpoint:  # NEW step 5: save_checkpoint writes on rank 0, then all wait
+        if cfg.checkpoint:  # step 5: save_checkpoint writes on rank 0, then all wait
             save_checkpoint(ctx, cfg.checkpoint, model, optimizer, epoch=epoch + 1)
 
     final = evaluate(unwrap(model), test_set.dataset, ctx) if not history else metrics

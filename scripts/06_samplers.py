@@ -37,7 +37,7 @@ def parse_args():
     parser.add_argument("--batch-size", type=int, default=100, help="evaluation batch per rank")
     parser.add_argument("--checkpoint", help="model to evaluate (default: seeded initialisation)")
     parser.add_argument("--data-dir", default="data", help="folder for full MNIST")
-    parser.add_argument("--data-source", default="auto", choices=["auto", "full", "subset"])
+    parser.add_argument("--data-source", default="subset", choices=["auto", "full", "subset"])
     parser.add_argument("--results", help="rank 0 writes a JSON summary here")
     return parser.parse_args()
 

@@ -48,3 +48,17 @@ def test_train_ddp_under_torchrun_saves_and_resumes(root, tmp_path):
 def test_train_ddp_as_plain_python(root):
     job = launch.python(root / "scripts/05_train_ddp.py", TINY, results=True, echo=False)
     assert job.results["world_size"] == 1 and job.results["backend"] is None
+
+
+def test_what_breaks_as_plain_python(root):
+    job = launch.python(root / "scripts/05_what_breaks.py", results=True, echo=False)
+    cases = job.results["cases"]
+    assert len(cases) == 6 and all(c["gap"] == 0 for c in cases.values())  # one rank: all equal
+
+
+def test_launcher_probe_under_torchrun_and_python(root):
+    job = launch.torchrun(root / "scripts/05_local_rank.py", nproc=2, results=True, echo=False)
+    assert job.results["local_rank"] == "0"
+    assert {"LOCAL_RANK", "TORCHELASTIC_RUN_ID"} <= set(job.results["variables"])
+    alone = launch.python(root / "scripts/05_local_rank.py", results=True, echo=False)
+    assert alone.results["variables"] == [] and alone.results["local_rank"] is None
