@@ -1,7 +1,7 @@
 """Lesson 01: train the small CNN on MNIST in one process.
 
     python scripts/01_train_single.py --epochs 5
-    python scripts/01_train_single.py --epochs 1 --results ../build/01.json
+    python scripts/01_train_single.py --epochs 1 --results build/01.json
 
 On a machine with a GPU it trains on cuda:0; otherwise on the CPU.
 """
