@@ -183,13 +183,17 @@ def _gpu_count() -> int:
 def pick_device(local_rank: int = 0) -> torch.device:
     """The device for a process: ``cuda:<local_rank>`` when CUDA is usable, else CPU.
 
-    The rule without a launcher's plan (see :func:`device_for_rank`).
+    Follows the launcher's plan in ``DDP_COURSE_DEVICE`` when it is set
+    (``cpu`` runs on CPU even on a GPU machine), otherwise the rule without a
+    plan; see :func:`device_for_rank`.
 
     Raises:
-        RuntimeError: if there are GPUs but fewer than ``local_rank + 1``;
-            launch at most ``torch.cuda.device_count()`` processes per node.
+        RuntimeError: if there are GPUs but fewer than ``local_rank + 1``
+            (and no plan says ``cpu``); launch at most
+            ``torch.cuda.device_count()`` processes per node.
+        ValueError: ``DDP_COURSE_DEVICE`` is neither ``cpu`` nor ``cuda``.
     """
-    return device_for_rank(local_rank, _gpu_count())
+    return device_for_rank(local_rank, _gpu_count(), os.environ.get(DEVICE_ENV) or None)
 
 
 def pick_backend(device: torch.device) -> str:
@@ -241,11 +245,7 @@ def distributed(
     if not 0 <= rank < world_size:
         raise RuntimeError(f"RANK={rank} does not fit WORLD_SIZE={world_size}")
 
-    if device is not None:
-        dev = torch.device(device)
-    else:
-        planned = os.environ.get(DEVICE_ENV) or None
-        dev = device_for_rank(local_rank, _gpu_count(), planned)
+    dev = torch.device(device) if device is not None else pick_device(local_rank)
     if dev.type == "cuda":
         if dev.index is None:
             dev = torch.device("cuda", local_rank)

@@ -71,9 +71,14 @@ def test_distributed_honours_the_plan_in_the_environment(monkeypatch):
     with pytest.raises(RuntimeError, match="local rank 1 has no GPU"):
         with runtime.distributed():
             pass
+    assert runtime.pick_device(0) == torch.device("cuda", 0)  # a device object; no CUDA used
     monkeypatch.setenv(runtime.DEVICE_ENV, "cpu")
     with runtime.distributed() as ctx:
         assert ctx.device == torch.device("cpu")
+    assert runtime.pick_device(0) == torch.device("cpu")
+    monkeypatch.setenv(runtime.DEVICE_ENV, "gpu")
+    with pytest.raises(ValueError, match="must be 'cpu' or 'cuda'"):
+        runtime.pick_device(0)
 
 
 # --- every launch in the notebooks gets a runnable plan on a 1- and a 2-GPU machine ---
