@@ -91,19 +91,21 @@ def run_notebook(path: pathlib.Path, out: pathlib.Path, timeout_s: int) -> None:
 
 
 def _kernel_config():
-    """Kernel manager settings: encrypted kernel sockets where zmq can.
+    """Kernel manager settings: encrypted kernel sockets where possible.
 
-    Over plain TCP, ipykernel logs "Kernel is running over TCP without
-    encryption" on stderr once per kernel, in the middle of ``course``'s
-    progress bar. jupyter_client then provisions CurveZMQ keys for kernels
-    that declare support (ipykernel's kernel.json does), so the warning's
-    cause is gone; where pyzmq lacks CurveZMQ, the kernel logs errors only.
+    A kernel on plain TCP logs "Kernel is running over TCP without encryption"
+    on stderr, which is this process's: once per notebook, in the middle of
+    ``course``'s progress bar. With ``transport_encryption="auto"``, recent
+    jupyter_client versions provision CurveZMQ keys for kernels that declare
+    support (ipykernel's kernel.json does), so the warning's cause is gone.
+    Without that option or without CurveZMQ in pyzmq, the kernel logs errors only.
     """
     import zmq
+    from jupyter_client import KernelManager
     from traitlets.config import Config
 
     config = Config()
-    if zmq.has("curve"):
+    if zmq.has("curve") and KernelManager.class_traits().get("transport_encryption"):
         config.KernelManager.transport_encryption = "auto"
     else:
         config.NotebookClient.extra_arguments = ["--log-level=ERROR"]
