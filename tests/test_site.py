@@ -112,6 +112,14 @@ def test_every_lesson_has_a_page_linked_from_the_front_page(site):
         assert first_line.split()[0] in page.read_text(), f"{page.name} lacks its title"
 
 
+def test_lesson_pages_link_to_each_other_in_order(site):
+    for before, after in zip(LESSONS, LESSONS[1:]):
+        links = _parse(site / "notebooks" / f"{before.stem}.html").links
+        assert f"{after.stem}.html" in links, f"{before.stem} has no link to {after.stem}"
+        back = _parse(site / "notebooks" / f"{after.stem}.html").links
+        assert f"{before.stem}.html" in back, f"{after.stem} has no link to {before.stem}"
+
+
 def test_every_stored_image_is_in_the_site(site):
     digests = site_image_digests(site)
     missing = [
