@@ -80,6 +80,8 @@ def run_notebook(path: pathlib.Path, out: pathlib.Path, timeout_s: int) -> None:
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(
         nb, timeout=timeout_s, kernel_name=KERNELSPEC["name"], config=_kernel_config(),
+        # A busy 2-core machine can take over a minute to start a kernel.
+        startup_timeout=300,
         resources={"metadata": {"path": str(path.parent)}},
     )  # fmt: skip
     try:
