@@ -3,7 +3,7 @@
 python scripts/03_collectives.py                                 # a group of one rank
 torchrun --nproc_per_node=4 scripts/03_collectives.py --results build/03_collectives.json
 torchrun --nproc_per_node=2 scripts/03_collectives.py --deadlock --timeout-s 3  # fails
-torchrun --nproc_per_node=4 scripts/03_collectives.py --device cpu  # gloo on a GPU machine
+torchrun --nproc_per_node=4 scripts/03_collectives.py --device cpu  # gloo even with GPUs
 
 Every rank records what it held before and after each operation; rank 0
 gathers the records and writes them to --results. With --deadlock every
@@ -141,6 +141,19 @@ def collectives(ctx) -> dict:
     return out
 
 
+def subgroups(ctx) -> dict:
+    """Split the world into even and odd ranks; all_reduce the rank inside each half."""
+    evens = list(range(0, ctx.world_size, 2))
+    odds = list(range(1, ctx.world_size, 2))
+    # new_group is called by every rank for every group, member or not, in the same order.
+    groups = {"even": dist.new_group(evens), "odd": dist.new_group(odds) if odds else None}
+    mine = "even" if ctx.rank % 2 == 0 else "odd"
+    t = torch.tensor([ctx.rank], device=ctx.device)
+    dist.all_reduce(t, group=groups[mine])  # only the ranks of `mine` take part
+    return {"group": mine, "members": evens if mine == "even" else odds,
+            "rank_in_group": dist.get_rank(groups[mine]), "sum": t.item()}  # fmt: skip
+
+
 def sync_versus_async(ctx, numel: int = 4 * 2**20) -> dict:
     """all_reduce blocking versus async_op=True, with work done before wait()."""
     dev = ctx.device
@@ -188,7 +201,7 @@ def main() -> None:
     parser.add_argument(
         "--timeout-s", type=float, default=None, help="process-group timeout in seconds"
     )
-    parser.add_argument("--device", help="e.g. cpu: gloo on a machine with fewer GPUs than ranks")
+    parser.add_argument("--device", help="e.g. cpu: run on CPU with gloo even where GPUs are")
     args = parser.parse_args()
     if "WORLD_SIZE" not in os.environ:
         # Run as plain python: make a group of one (env:// init reads these),
@@ -205,6 +218,7 @@ def main() -> None:
         else:
             log.info("point-to-point needs a peer: skipped with one rank (use torchrun)")
         record["collectives"] = collectives(ctx)
+        record["subgroup"] = subgroups(ctx)
         timing = sync_versus_async(ctx)
         # Gather every rank's record to rank 0 (a collective on Python objects).
         records = [None] * ctx.world_size

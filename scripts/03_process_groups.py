@@ -1,0 +1,126 @@
+"""Lesson 03: how the ranks meet (env://, tcp://, file://) and what torchrun gives them.
+
+python scripts/03_process_groups.py                       # a group of one rank
+torchrun --nproc_per_node=2 scripts/03_process_groups.py
+torchrun --nproc_per_node=2 scripts/03_process_groups.py --results build/03_groups.json
+
+Every rank records the environment variables that torchrun added to its
+parent's (read from the parent process with psutil), then creates the
+default process group three times, once per init method, each time with
+no backend argument, and checks an all_reduce. While the env:// group is up,
+rank 0 lists the TCP sockets the job listens on. With one GPU per rank it
+also creates the group with the per-device backend string and device_id=.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+
+import psutil
+import torch
+import torch.distributed as dist
+
+from ddp_course.launch import free_port
+
+
+def added_by_launcher() -> dict[str, str] | None:
+    """Variables this process has and its parent (torchrun's agent) had not at start.
+
+    None when the parent's environment cannot be read (another user's process,
+    or a platform where psutil cannot read it).
+    """
+    try:
+        parent = psutil.Process(os.getppid()).environ()
+    except (psutil.Error, OSError):
+        return None
+    return {k: v for k, v in sorted(os.environ.items()) if k not in parent}
+
+
+def all_reduce_check(rank: int, world_size: int, device: torch.device) -> int:
+    """all_reduce of rank + 1 over the current default group; returns the sum."""
+    t = torch.tensor([rank + 1], device=device)
+    dist.all_reduce(t)
+    assert t.item() == world_size * (world_size + 1) // 2, t.item()
+    return int(t.item())
+
+
+def listening_sockets(pids: list[int]) -> list[dict]:
+    """TCP sockets in LISTEN state owned by the job: torchrun's agent and the ranks.
+
+    ``pids[r]`` is rank r's process id; the agent is this process's parent.
+    """
+    owners = {os.getppid(): "agent"} | {pid: f"rank {r}" for r, pid in enumerate(pids)}
+    found = []
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.pid in owners:
+            found.append({"process": owners[conn.pid], "address": conn.laddr.ip})
+    return sorted(found, key=lambda s: (s["process"], s["address"]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", help="rank 0 writes its records here (JSON)")
+    args = parser.parse_args()
+    added = added_by_launcher()  # before this script sets anything itself
+    if "WORLD_SIZE" not in os.environ:
+        # Plain python: a group of one, so the init methods below still run.
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))  # fmt: skip
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    one_gpu_each = gpus >= local_world_size
+    device = torch.device("cuda", local_rank) if one_gpu_each else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    record: dict = {"world_size": world_size, "added_by_launcher": added, "init": {}}
+
+    # 1. env:// with no backend argument: torch picks a backend per device type.
+    dist.init_process_group()
+    record["init"]["env://"] = {"backend": dist.get_backend_config(),
+                                "sum": all_reduce_check(rank, world_size, device)}  # fmt: skip
+    pids = [None] * world_size
+    dist.all_gather_object(pids, os.getpid())
+    if rank == 0:
+        record["listening"] = listening_sockets(pids)
+        store_dir = tempfile.mkdtemp(prefix="ddp_course_store_")
+        rendezvous = [f"tcp://127.0.0.1:{free_port()}", f"file://{store_dir}/store"]
+    else:
+        rendezvous = [None, None]
+    dist.broadcast_object_list(rendezvous, src=0)  # every rank needs the same addresses
+    dist.destroy_process_group()
+
+    # 2. and 3. tcp:// and file://: the address says where; rank and size are passed.
+    # Under torchrun, TORCHELASTIC_USE_AGENT_STORE=True tells rank 0 not to start a
+    # store of its own (the agent's serves env://); a tcp:// store must be rank 0's.
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    for method in rendezvous:
+        dist.init_process_group(init_method=method, rank=rank, world_size=world_size)
+        name = method.split("//")[0] + "//"
+        record["init"][name] = {"backend": dist.get_backend_config(),
+                                "sum": all_reduce_check(rank, world_size, device)}  # fmt: skip
+        dist.barrier()  # nobody tears the store down while a peer still reads it
+        dist.destroy_process_group()
+    if rank == 0:
+        shutil.rmtree(store_dir, ignore_errors=True)
+
+    # 4. The explicit forms, where every rank has a GPU of its own.
+    if one_gpu_each:
+        dist.init_process_group(backend="cpu:gloo,cuda:nccl", device_id=device)
+        record["init"]["cpu:gloo,cuda:nccl + device_id"] = {
+            "backend": dist.get_backend_config(),
+            "sum": all_reduce_check(rank, world_size, device),
+        }
+        dist.destroy_process_group()
+    else:
+        record["skipped"] = f"per-device backends need one GPU per rank; {gpus} GPU(s) here"
+    if rank == 0 and args.results:
+        with open(args.results, "w") as f:
+            json.dump(record, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
