@@ -104,8 +104,8 @@ def seeding(ctx: DistContext, seed: int) -> dict:
         "init_same_seed": same,
         "init_seed_plus_rank": per_rank,
         "init_seed_plus_rank_after_ddp": after_ddp,
-        "same_seed": draws(seed),  # wrong for augmentation and dropout
-        "seed_plus_rank": draws(seed + ctx.rank),  # right: ranks draw differently
+        "same_seed": draws(seed),  # every rank draws the same masks and crops
+        "seed_plus_rank": draws(seed + ctx.rank),  # every rank draws its own
     }
 
 
