@@ -205,6 +205,23 @@ def pick_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def _attempt_store(timeout: datetime.timedelta | None) -> dist.Store | None:
+    # torchrun's agent hosts one store for the workers and keeps it across
+    # restarts (TORCHELASTIC_USE_AGENT_STORE=True), while env:// assumes a
+    # fresh store each attempt and uses no prefix. The restarted ranks then
+    # may read the dead ranks' gloo addresses and fail with "Connection
+    # refused" or hang (seen here with plain torchrun --max-restarts=1, 2 of
+    # 3 runs). A prefix per attempt keeps each attempt's keys apart.
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+        timeout=timeout or datetime.timedelta(minutes=5),
+    )  # fmt: skip
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"ddp_course/attempt_{attempt}", client)
+
+
 @contextlib.contextmanager
 def distributed(
     backend: str | None = None,
@@ -214,7 +231,9 @@ def distributed(
     """Set the device, create the default process group and always destroy it.
 
     Under ``torchrun`` (``WORLD_SIZE`` set) this calls
-    ``dist.init_process_group`` with the ``env://`` init method; as a plain
+    ``dist.init_process_group`` with the ``env://`` variables (on the agent's
+    store, with a key prefix per restart attempt, so ``--max-restarts``
+    restarts cleanly); as a plain
     ``python`` process it creates no group and yields a single-process
     context, so the same script runs both ways.
 
@@ -258,6 +277,9 @@ def distributed(
             kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
         if name == "nccl":
             kwargs["device_id"] = dev
+        store = _attempt_store(kwargs.get("timeout"))
+        if store is not None:
+            kwargs.update(store=store, rank=rank, world_size=world_size)
         dist.init_process_group(backend=name, **kwargs)
     ctx = DistContext(rank, local_rank, world_size, local_world_size, dev, name)
     try:
