@@ -4,8 +4,12 @@ Modules, one concern each: ``runtime`` (ranks, devices, process groups,
 logging), ``launch`` (torchrun from notebooks and tests), ``data`` (MNIST and
 synthetic data), ``models``, ``engine`` (train and exact evaluation),
 ``checkpoint``, ``collectives`` (ring and parameter-server all-reduce from
-point-to-point), ``bench`` (timing, algbw/busbw, cost models), ``parallel``
-(a from-scratch DataParallel), ``sampler`` (a from-scratch distributed sampler).
+point-to-point), ``comm_cost`` (the bytes each rank moves in those
+algorithms), ``async_sgd`` (synchronous against asynchronous parameter-server
+SGD, simulated), ``bench`` (timing, algbw/busbw, cost models), ``parallel``
+(a from-scratch DataParallel), ``ddp`` (DistributedDataParallel from scratch:
+per-parameter and bucketed, overlapped with backward), ``sampler`` (a
+from-scratch distributed sampler).
 """
 
 __version__ = "0.1.0"
