@@ -36,7 +36,7 @@ def check() -> int:
     import torch
     import torch.distributed as dist
 
-    from .data import load_mnist
+    from .data import has_full_mnist, load_mnist
     from .runtime import pick_backend, pick_device
 
     print(f"python       {platform.python_version()}")
@@ -63,7 +63,9 @@ def check() -> int:
     device = pick_device()
     print(f"device       {device} -> backend {pick_backend(device)}")
     split = load_mnist("data", train=False)
-    print(f"MNIST        {split.source} ({len(split.dataset)} test digits in {split.root})")
+    full = "in data/MNIST/raw" if has_full_mnist("data") else "not downloaded"
+    print(f"MNIST        {split.source} by default ({len(split.dataset)} test digits); "
+          f"full MNIST {full} (source='full' fetches it)")  # fmt: skip
     return 0
 
 
