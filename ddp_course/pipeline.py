@@ -22,16 +22,27 @@ the forward (F) and backward (B) of each micro-batch:
 stage's F(i) waits for the previous stage's F(i), its B(i) for the next
 stage's B(i)) and per-action costs; it reports a deadlock, naming where each
 rank is stuck, or a :class:`Timeline` with start and end times, from which
-the bubble and the peak number of in-flight micro-batches are read. A
-:class:`Timeline` can also hold timestamps measured by a real run, so the
+the bubble and the peak number of in-flight micro-batches are read.
+
+:func:`run_schedule` executes one rank's part of a schedule for real: stage
+k of the model on rank k, activations and gradients passed with
+``torch.distributed`` point-to-point operations (``recv`` and ``isend``),
+micro-batch gradients accumulated so that one pipelined step equals one step
+on the whole batch. It time-stamps every action; :func:`gather_timeline`
+collects the stamps of all ranks into the same :class:`Timeline`, so the
 measurement and the simulation are read the same way.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
 
 __all__ = [
     "SCHEDULES",
@@ -40,14 +51,18 @@ __all__ = [
     "Event",
     "Timeline",
     "check_schedule",
+    "StepResult",
     "format_schedule",
+    "gather_timeline",
     "gpipe_bubble",
     "gpipe_schedule",
     "in_flight",
     "naive_schedule",
     "one_f_one_b_schedule",
+    "run_schedule",
     "schedule",
     "simulate",
+    "split_microbatches",
 ]
 
 SCHEDULES = ("naive", "gpipe", "1f1b")
@@ -423,3 +438,171 @@ def simulate(
                 raise ValueError(f"rank {k} waits for rank {peer}'s {action}, which it never runs")
         raise DeadlockError(stuck)
     return Timeline(tuple(events))
+
+
+def split_microbatches(batch: torch.Tensor, microbatches: int) -> list[torch.Tensor]:
+    """Cut a batch along dimension 0 into m micro-batches (``torch.tensor_split``).
+
+    Sizes differ by at most one sample when m does not divide the batch.
+
+    Raises:
+        ValueError: m < 1 or m larger than the batch (an empty micro-batch).
+    """
+    if not 1 <= microbatches <= len(batch):
+        raise ValueError(
+            f"cannot cut a batch of {len(batch)} samples into {microbatches} micro-batches: "
+            f"use 1 <= microbatches <= {len(batch)}"
+        )
+    return list(torch.tensor_split(batch, microbatches))
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What one rank did in one pipelined step.
+
+    Attributes:
+        events: this rank's actions with start and end times (seconds of
+            ``time.perf_counter``, one clock for all processes of a machine);
+            an action starts when its input has arrived, so waiting is idle time.
+        peak_in_flight: most micro-batches whose activations this rank held
+            at once (counted in the executor, not read from the schedule).
+        loss: the whole batch's loss (last stage; ``None`` elsewhere), equal
+            to ``loss_fn`` on the whole batch when ``loss_fn`` averages.
+    """
+
+    events: list[Event]
+    peak_in_flight: int
+    loss: float | None
+
+
+_HEADER = 8  # int64 header: number of dimensions, then the shape
+
+
+def _send(tensor: torch.Tensor, peer: int, pending: list) -> None:
+    """Post a non-blocking send of a tensor and of its shape (the receiver allocates)."""
+    if tensor.dim() >= _HEADER:
+        raise ValueError(f"pipeline messages support at most {_HEADER - 1} dimensions")
+    header = torch.zeros(_HEADER, dtype=torch.int64, device=tensor.device)
+    header[0] = tensor.dim()
+    header[1 : 1 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+    payload = tensor.detach().contiguous()
+    # Keep both tensors alive until the send completes (wait at the end of the step).
+    pending += [(dist.isend(header, peer), header), (dist.isend(payload, peer), payload)]
+
+
+def _recv(peer: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    header = torch.empty(_HEADER, dtype=torch.int64, device=device)
+    dist.recv(header, peer)
+    shape = header[1 : 1 + int(header[0])].tolist()
+    tensor = torch.empty(shape, dtype=dtype, device=device)
+    dist.recv(tensor, peer)
+    return tensor
+
+
+def run_schedule(
+    table: Schedule,
+    stage: nn.Module,
+    rank: int,
+    inputs: Sequence[torch.Tensor] | None = None,
+    targets: Sequence[torch.Tensor] | None = None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    forward_sleep_s: float = 0.0,
+    backward_sleep_s: float = 0.0,
+) -> StepResult:
+    """Run rank ``rank``'s actions of a pipeline schedule on its stage; accumulate gradients.
+
+    Rank k runs stage k. F(i): receive micro-batch i's activations from rank
+    k-1 (rank 0 takes ``inputs[i]``), run the stage, send the output to rank
+    k+1 (the last rank computes the loss instead). B(i): receive the gradient
+    of the output from rank k+1 (the last rank back-propagates its loss), back-
+    propagate through the stage, send the gradient of the input to rank k-1.
+    Sends are ``isend`` and awaited at the end, receives block; so the run
+    follows :func:`simulate`'s semantics, and a schedule that simulates
+    without deadlock runs without one.
+
+    The loss of micro-batch i is weighted by n_i / N (its share of the N
+    samples), so with a ``loss_fn`` that averages (the default of
+    ``nn.functional.cross_entropy``) the accumulated gradients equal those of
+    one backward over the whole batch (Huang et al., NeurIPS 2019, section 2.2:
+    gradients accumulated over micro-batches, applied once). Call
+    ``optimizer.step()`` afterwards, and ``zero_grad()`` before.
+
+    Args:
+        table: the schedule of every rank (its length is the world size).
+        stage: this rank's part of the model, on the device the tensors use.
+        rank: this process's rank in the default process group.
+        inputs: rank 0: the m input micro-batches, ``float [n_i, ...]``.
+        targets: last rank: the m target micro-batches (e.g. ``int64 [n_i]``).
+        loss_fn: last rank: ``loss_fn(output, target)`` -> scalar tensor.
+        forward_sleep_s, backward_sleep_s: seconds to sleep in every forward /
+            backward, a stand-in for a long GPU kernel so that two shared CPU
+            cores do not distort a bubble measurement.
+
+    Returns:
+        :class:`StepResult` of this rank.
+
+    Raises:
+        ValueError: the schedule is incomplete, its messages do not match or
+            it deadlocks (checked before any message is sent, on every rank);
+            the table's length differs from the world size; inputs missing on
+            rank 0, or targets or loss function on the last rank.
+    """
+    stages = len(table)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if stages != world:
+        raise ValueError(f"the schedule has {stages} stages but the world size is {world}")
+    counts = {len({a.microbatch for a in actions}) for actions in table}
+    microbatches = max(counts)
+    check_schedule(table, microbatches)
+    simulate(table)  # raises DeadlockError before anything would hang
+    first, last = rank == 0, rank == stages - 1
+    if first and (inputs is None or len(inputs) != microbatches):
+        raise ValueError(f"rank 0 needs inputs: a list of {microbatches} micro-batches")
+    if last and (targets is None or len(targets) != microbatches or loss_fn is None):
+        raise ValueError(f"the last rank needs loss_fn and {microbatches} target micro-batches")
+    params = list(stage.parameters())
+    device = params[0].device if params else torch.device("cpu")
+    dtype = params[0].dtype if params else torch.float32
+    total = sum(len(t) for t in targets) if last else 0
+    held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # micro-batch -> (input, output)
+    pending: list = []
+    events: list[Event] = []
+    peak, loss_sum = 0, 0.0
+    for action in table[rank]:
+        i = action.microbatch
+        if action.kind == "F":
+            if first:
+                x = inputs[i].to(device)
+            else:
+                x = _recv(rank - 1, dtype, device).requires_grad_()
+            start = time.perf_counter()
+            out = stage(x)
+            if last:
+                out = loss_fn(out, targets[i].to(device)) * (len(targets[i]) / total)
+                loss_sum += out.item()
+            held[i] = (x, out)
+            peak = max(peak, len(held))
+            time.sleep(forward_sleep_s)  # before the send: the output is ready after the "kernel"
+            if not last:
+                _send(out, rank + 1, pending)
+        else:
+            grad = None if last else _recv(rank + 1, dtype, device)
+            start = time.perf_counter()
+            x, out = held.pop(i)  # frees micro-batch i's activations after backward
+            out.backward(grad)
+            time.sleep(backward_sleep_s)
+            if not first:
+                _send(x.grad, rank - 1, pending)
+        events.append(Event(rank, action, start, time.perf_counter()))
+    for work, _ in pending:
+        work.wait()
+    return StepResult(events, peak, loss_sum if last else None)
+
+
+def gather_timeline(result: StepResult) -> Timeline:
+    """Every rank's events in one :class:`Timeline` (a collective: call it on all ranks)."""
+    if not dist.is_initialized():
+        return Timeline(tuple(result.events))
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, result.events)
+    return Timeline(tuple(e for events in gathered for e in events))
