@@ -348,6 +348,30 @@ class Timeline:
         """Most micro-batches whose activations the rank held at once (see :func:`in_flight`)."""
         return max(in_flight([e.action for e in self.of_rank(rank)]))
 
+    def relative(self) -> Timeline:
+        """The same timeline with the first start at time 0 (for tables and Gantt charts)."""
+        t0 = min(e.start for e in self.events)
+        return Timeline(
+            tuple(dataclasses.replace(e, start=e.start - t0, end=e.end - t0) for e in self.events)
+        )
+
+    def to_records(self) -> list[dict]:
+        """JSON-ready rows ``{"rank", "action", "start", "end"}``, action as ``"F3"``."""
+        return [
+            {"rank": e.rank, "action": str(e.action), "start": e.start, "end": e.end}
+            for e in self.events
+        ]
+
+    @classmethod
+    def from_records(cls, records: Sequence[dict]) -> Timeline:
+        """The inverse of :meth:`to_records` (e.g. a script's JSON results read back)."""
+        return cls(
+            tuple(
+                Event(r["rank"], Action(r["action"][0], int(r["action"][1:])), r["start"], r["end"])
+                for r in records
+            )
+        )
+
 
 def _per_stage(cost: float | Sequence[float], stages: int, name: str) -> list[float]:
     costs = [float(cost)] * stages if isinstance(cost, (int, float)) else [float(c) for c in cost]
@@ -548,13 +572,12 @@ def run_schedule(
             rank 0, or targets or loss function on the last rank.
     """
     stages = len(table)
+    microbatches = max(len({a.microbatch for a in actions}) for actions in table)
+    check_schedule(table, microbatches)
+    simulate(table)  # raises DeadlockError before anything would hang
     world = dist.get_world_size() if dist.is_initialized() else 1
     if stages != world:
         raise ValueError(f"the schedule has {stages} stages but the world size is {world}")
-    counts = {len({a.microbatch for a in actions}) for actions in table}
-    microbatches = max(counts)
-    check_schedule(table, microbatches)
-    simulate(table)  # raises DeadlockError before anything would hang
     first, last = rank == 0, rank == stages - 1
     if first and (inputs is None or len(inputs) != microbatches):
         raise ValueError(f"rank 0 needs inputs: a list of {microbatches} micro-batches")

@@ -6,6 +6,9 @@ Huang et al. 2019, figure 2c, backwards in forward order as torch's
 ScheduleGPipe; 1F1B: Narayanan et al. 2021, figure 4 top), not generated.
 """
 
+import dataclasses
+import json
+
 import pytest
 import torch
 from torch.nn.functional import cross_entropy
@@ -101,6 +104,11 @@ def test_simulated_timeline_by_hand():
     # A message delay shifts every receive: rank 1's F0 starts at 1 + 0.5.
     delayed = pipeline.simulate(pipeline.gpipe_schedule(2, 2), 1, 2, comm_cost=0.5)
     assert delayed.of_rank(1)[0].start == 1.5
+    again = pipeline.Timeline.from_records(json.loads(json.dumps(delayed.to_records())))
+    assert again == delayed
+    shifted = pipeline.Timeline(tuple(dataclasses.replace(e, start=e.start + 7, end=e.end + 7)
+                                      for e in tl.events)).relative()  # fmt: skip
+    assert shifted == tl  # tl already starts at 0
 
 
 def test_a_swap_on_one_rank_deadlocks_and_says_where():
@@ -222,16 +230,13 @@ def test_run_schedule_refuses_bad_input():
         pipeline.run_schedule(pipeline.gpipe_schedule(1, 2), _stack(), 0, xs, ys[:1], cross_entropy)
     with pytest.raises(ValueError, match="B0 before F0"):
         pipeline.run_schedule(table("B0 F0 F1 B1"), _stack(), 0, xs, ys, cross_entropy)
+    # A schedule that would hang is refused before any message is sent.
+    with pytest.raises(DeadlockError, match="rank 0 waits at B0"):
+        pipeline.run_schedule(table("F0 B0 F1 B1", "F0 F1 B0 B1"), _stack(), 0, xs, ys, None)
     with pytest.raises(ValueError, match="into 5 micro-batches"):
         pipeline.split_microbatches(x, 5)
     with pytest.raises(ValueError, match="into 0 micro-batches"):
         pipeline.split_microbatches(x, 0)
-
-
-def _timeline(rows):
-    return pipeline.Timeline(
-        tuple(pipeline.Event(k, Action(a[0], int(a[1:])), s, e) for k, a, s, e in rows)
-    )
 
 
 def test_pipelined_step_over_gloo_equals_one_process(workers):
@@ -250,7 +255,7 @@ def test_pipelined_step_over_gloo_equals_one_process(workers):
     assert [rank["peak"] for rank in r["equal"]["1f1b"]] == [p - k for k in range(p)]
     assert [rank["peak"] for rank in r["equal"]["naive"]] == [1] * p
     for name, rows in r["timelines"].items():
-        tl = _timeline(rows)
+        tl = pipeline.Timeline.from_records(rows)
         ends = {(e.rank, e.action): e.end for e in tl.events}
         for e in tl.events:  # the clock agrees with the messages: nothing starts early
             peer = e.rank - 1 if e.action.kind == "F" else e.rank + 1

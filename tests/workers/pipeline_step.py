@@ -82,7 +82,7 @@ with distributed(device="cpu") as ctx:
             forward_sleep_s=args.sleep_s, backward_sleep_s=2 * args.sleep_s,
         )  # fmt: skip
         tl = pipeline.gather_timeline(timed)
-        out["timelines"][name] = [(e.rank, str(e.action), e.start, e.end) for e in tl.events]
+        out["timelines"][name] = tl.to_records()
 
     if ctx.is_main and args.results:
         out.update(world_size=p, microbatches=m)
