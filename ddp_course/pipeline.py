@@ -492,18 +492,22 @@ class StepResult:
             at once (counted in the executor, not read from the schedule).
         loss: the whole batch's loss (last stage; ``None`` elsewhere), equal
             to ``loss_fn`` on the whole batch when ``loss_fn`` averages.
+        bytes_sent: payload bytes this rank sent (activations forward,
+            gradients backward; ``numel * element_size``, the small shape
+            headers not counted).
     """
 
     events: list[Event]
     peak_in_flight: int
     loss: float | None
+    bytes_sent: int = 0
 
 
 _HEADER = 8  # int64 header: number of dimensions, then the shape
 
 
-def _send(tensor: torch.Tensor, peer: int, pending: list) -> None:
-    """Post a non-blocking send of a tensor and of its shape (the receiver allocates)."""
+def _send(tensor: torch.Tensor, peer: int, pending: list) -> int:
+    """Post a non-blocking send of a tensor and of its shape; return the payload bytes."""
     if tensor.dim() >= _HEADER:
         raise ValueError(f"pipeline messages support at most {_HEADER - 1} dimensions")
     header = torch.zeros(_HEADER, dtype=torch.int64, device=tensor.device)
@@ -512,6 +516,7 @@ def _send(tensor: torch.Tensor, peer: int, pending: list) -> None:
     payload = tensor.detach().contiguous()
     # Keep both tensors alive until the send completes (wait at the end of the step).
     pending += [(dist.isend(header, peer), header), (dist.isend(payload, peer), payload)]
+    return payload.numel() * payload.element_size()
 
 
 def _recv(peer: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -590,7 +595,7 @@ def run_schedule(
     held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # micro-batch -> (input, output)
     pending: list = []
     events: list[Event] = []
-    peak, loss_sum = 0, 0.0
+    peak, loss_sum, sent = 0, 0.0, 0
     for action in table[rank]:
         i = action.microbatch
         if action.kind == "F":
@@ -607,7 +612,7 @@ def run_schedule(
             peak = max(peak, len(held))
             time.sleep(forward_sleep_s)  # before the send: the output is ready after the "kernel"
             if not last:
-                _send(out, rank + 1, pending)
+                sent += _send(out, rank + 1, pending)
         else:
             grad = None if last else _recv(rank + 1, dtype, device)
             start = time.perf_counter()
@@ -615,11 +620,11 @@ def run_schedule(
             out.backward(grad)
             time.sleep(backward_sleep_s)
             if not first:
-                _send(x.grad, rank - 1, pending)
+                sent += _send(x.grad, rank - 1, pending)
         events.append(Event(rank, action, start, time.perf_counter()))
     for work, _ in pending:
         work.wait()
-    return StepResult(events, peak, loss_sum if last else None)
+    return StepResult(events, peak, loss_sum if last else None, sent)
 
 
 def gather_timeline(result: StepResult) -> Timeline:

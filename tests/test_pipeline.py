@@ -254,6 +254,10 @@ def test_pipelined_step_over_gloo_equals_one_process(workers):
     assert [rank["peak"] for rank in r["equal"]["gpipe"]] == [m] * p
     assert [rank["peak"] for rank in r["equal"]["1f1b"]] == [p - k for k in range(p)]
     assert [rank["peak"] for rank in r["equal"]["naive"]] == [1] * p
+    # Bytes: the 10 samples' 16-float activations forward, the same size of gradient back.
+    boundary = 10 * 16 * 4  # batch x width x float32, per stage boundary and direction
+    for name, ranks in r["equal"].items():
+        assert [rank["bytes"] for rank in ranks] == [boundary, 2 * boundary, boundary], name
     for name, rows in r["timelines"].items():
         tl = pipeline.Timeline.from_records(rows)
         ends = {(e.rank, e.action): e.end for e in tl.events}

@@ -67,7 +67,8 @@ with distributed(device="cpu") as ctx:
         loss_gap = abs(result.loss - ref_loss.item()) if result.loss is not None else None
         gathered = [None] * p
         mine = {"grad_diff": grad_diff, "loss_gap": loss_gap, "peak": result.peak_in_flight,
-                "order": [str(e.action) for e in result.events]}  # fmt: skip
+                "order": [str(e.action) for e in result.events],
+                "bytes": result.bytes_sent}  # fmt: skip
         dist.all_gather_object(gathered, mine)
         out["equal"][name] = gathered
 
