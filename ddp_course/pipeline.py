@@ -558,7 +558,9 @@ def run_schedule(
 
     Args:
         table: the schedule of every rank (its length is the world size).
-        stage: this rank's part of the model, on the device the tensors use.
+        stage: this rank's part of the model; received activations and
+            gradients take the device and dtype of its first parameter
+            (CPU float32 for a stage without parameters).
         rank: this process's rank in the default process group.
         inputs: rank 0: the m input micro-batches, ``float [n_i, ...]``.
         targets: last rank: the m target micro-batches (e.g. ``int64 [n_i]``).
@@ -572,17 +574,20 @@ def run_schedule(
 
     Raises:
         ValueError: the schedule is incomplete, its messages do not match or
-            it deadlocks (checked before any message is sent, on every rank);
-            the table's length differs from the world size; inputs missing on
-            rank 0, or targets or loss function on the last rank.
+            it deadlocks (:class:`DeadlockError`; checked before any message
+            is sent, on every rank); the table's length differs from the
+            world size or the rank has no stage; inputs missing on rank 0, or
+            targets or loss function on the last rank.
     """
     stages = len(table)
-    microbatches = max(len({a.microbatch for a in actions}) for actions in table)
+    microbatches = max((len({a.microbatch for a in actions}) for actions in table), default=0)
     check_schedule(table, microbatches)
     simulate(table)  # raises DeadlockError before anything would hang
     world = dist.get_world_size() if dist.is_initialized() else 1
     if stages != world:
         raise ValueError(f"the schedule has {stages} stages but the world size is {world}")
+    if not 0 <= rank < stages:
+        raise ValueError(f"rank {rank} has no stage in a {stages}-stage schedule")
     first, last = rank == 0, rank == stages - 1
     if first and (inputs is None or len(inputs) != microbatches):
         raise ValueError(f"rank 0 needs inputs: a list of {microbatches} micro-batches")

@@ -224,6 +224,10 @@ def test_run_schedule_refuses_bad_input():
     xs, ys = pipeline.split_microbatches(x, 2), pipeline.split_microbatches(y, 2)
     with pytest.raises(ValueError, match="2 stages but the world size is 1"):
         pipeline.run_schedule(pipeline.gpipe_schedule(2, 2), _stack(), 0, xs, ys, cross_entropy)
+    with pytest.raises(ValueError, match="rank 1 has no stage in a 1-stage"):
+        pipeline.run_schedule(pipeline.gpipe_schedule(1, 2), _stack(), 1, xs, ys, cross_entropy)
+    with pytest.raises(ValueError, match="at least one rank"):
+        pipeline.run_schedule([], _stack(), 0, xs, ys, cross_entropy)
     with pytest.raises(ValueError, match="rank 0 needs inputs"):
         pipeline.run_schedule(pipeline.gpipe_schedule(1, 2), _stack(), 0, None, ys, cross_entropy)
     with pytest.raises(ValueError, match="needs loss_fn"):
