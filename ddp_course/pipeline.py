@@ -36,6 +36,7 @@ measurement and the simulation are read the same way.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Literal
@@ -361,6 +362,34 @@ class Timeline:
             {"rank": e.rank, "action": str(e.action), "start": e.start, "end": e.end}
             for e in self.events
         ]
+
+    def render(self, unit: float = 1.0) -> str:
+        """A text Gantt chart: one line per rank, one column per ``unit`` of time.
+
+        A column shows the action running at the middle of its time slot, or
+        ``.`` when the rank is idle, e.g. for GPipe with p = 2, m = 2,
+        t_f = 1 and t_b = 2::
+
+            rank 0: F0 F1 .  .  .  B0 B0 B1 B1
+            rank 1: .  F0 F1 B0 B0 B1 B1 .  .
+
+        Raises:
+            ValueError: ``unit`` <= 0.
+        """
+        if unit <= 0:
+            raise ValueError(f"unit must be > 0 seconds, got {unit}")
+        tl = self.relative()
+        width = max(len(str(e.action)) for e in tl.events)
+        slots = math.ceil(tl.makespan / unit - 1e-9)
+        lines = []
+        for k in range(tl.ranks):
+            cells = []
+            for s in range(slots):
+                t = (s + 0.5) * unit
+                running = [e for e in tl.of_rank(k) if e.start <= t < e.end]
+                cells.append((str(running[0].action) if running else ".").ljust(width))
+            lines.append(f"rank {k}: " + " ".join(cells).rstrip())
+        return "\n".join(lines)
 
     @classmethod
     def from_records(cls, records: Sequence[dict]) -> Timeline:

@@ -104,6 +104,11 @@ def test_simulated_timeline_by_hand():
     # A message delay shifts every receive: rank 1's F0 starts at 1 + 0.5.
     delayed = pipeline.simulate(pipeline.gpipe_schedule(2, 2), 1, 2, comm_cost=0.5)
     assert delayed.of_rank(1)[0].start == 1.5
+    assert tl.render() == ("rank 0: F0 F1 .  .  .  B0 B0 B1 B1\nrank 1: .  F0 F1 B0 B0 B1 B1 .  .")
+    # Middles of the slots: 1.5, 4.5, 7.5.
+    assert tl.render(unit=3) == "rank 0: F1 .  B1\nrank 1: F0 B0 ."
+    with pytest.raises(ValueError, match="unit must be > 0"):
+        tl.render(unit=0)
     again = pipeline.Timeline.from_records(json.loads(json.dumps(delayed.to_records())))
     assert again == delayed
     shifted = pipeline.Timeline(tuple(dataclasses.replace(e, start=e.start + 7, end=e.end + 7)
