@@ -22,7 +22,8 @@ the forward (F) and backward (B) of each micro-batch:
 stage's F(i) waits for the previous stage's F(i), its B(i) for the next
 stage's B(i)) and per-action costs; it reports a deadlock, naming where each
 rank is stuck, or a :class:`Timeline` with start and end times, from which
-the bubble and the peak number of in-flight micro-batches are read.
+the bubble and the peak number of in-flight micro-batches are read, and
+which :meth:`Timeline.render` draws as a text Gantt chart.
 
 :func:`run_schedule` executes one rank's part of a schedule for real: stage
 k of the model on rank k, activations and gradients passed with
