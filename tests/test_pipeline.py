@@ -1,9 +1,10 @@
 """Pipeline schedules against hand-written tables; deadlocks; bubble and memory against the papers;
 one pipelined step over gloo against one process.
 
-The gold tables below are written out by hand from the papers' figures (GPipe:
-Huang et al. 2019, figure 2c, backwards in forward order as torch's
-ScheduleGPipe; 1F1B: Narayanan et al. 2021, figure 4 top), not generated.
+The gold tables below are written out by hand, not generated: GPipe (Huang et
+al. 2019) as drawn in Narayanan et al. 2021, figure 3, all forwards then the
+backwards in forward order (as torch's ScheduleGPipe); 1F1B as in their
+figure 4 (top): p-1-k warm-up forwards on stage k.
 """
 
 import dataclasses
