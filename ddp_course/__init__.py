@@ -8,8 +8,9 @@ point-to-point), ``comm_cost`` (the bytes each rank moves in those
 algorithms), ``async_sgd`` (synchronous against asynchronous parameter-server
 SGD, simulated), ``bench`` (timing, algbw/busbw, cost models), ``parallel``
 (a from-scratch DataParallel), ``ddp`` (DistributedDataParallel from scratch:
-per-parameter and bucketed, overlapped with backward), ``sampler`` (a
-from-scratch distributed sampler).
+per-parameter and bucketed, overlapped with backward), ``pipeline``
+(schedules as data, deadlock check, simulated and executed pipeline
+timelines), ``sampler`` (a from-scratch distributed sampler).
 """
 
 __version__ = "0.1.0"
