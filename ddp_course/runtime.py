@@ -227,6 +227,7 @@ def distributed(
     backend: str | None = None,
     device: torch.device | str | None = None,
     timeout_s: float | None = None,
+    group_of_one: bool = False,
 ) -> Iterator[DistContext]:
     """Set the device, create the default process group and always destroy it.
 
@@ -244,6 +245,10 @@ def distributed(
             :func:`ddp_course.launch.torchrun`) if any, else :func:`pick_device`.
         timeout_s: collective timeout in seconds; a short one turns a hang
             (mismatched collectives, uneven inputs) into an error.
+        group_of_one: as a plain ``python`` process, still create a process
+            group, of one rank over an in-memory store (gloo unless
+            ``backend`` says otherwise), so code that calls collectives or
+            wraps a model in DDP runs unchanged with world size 1.
 
     Yields:
         The :class:`DistContext` of this process.
@@ -281,6 +286,9 @@ def distributed(
         if store is not None:
             kwargs.update(store=store, rank=rank, world_size=world_size)
         dist.init_process_group(backend=name, **kwargs)
+    elif group_of_one:
+        name = backend or "gloo"
+        dist.init_process_group(name, store=dist.HashStore(), rank=0, world_size=1)
     ctx = DistContext(rank, local_rank, world_size, local_world_size, dev, name)
     try:
         yield ctx

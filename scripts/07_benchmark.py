@@ -82,10 +82,8 @@ def timed(model, args, ctx, **kwargs):
 
 def main():
     args = parse_args()
-    with distributed() as ctx:
+    with distributed(group_of_one=True) as ctx:
         log = get_logger(ctx)
-        if not ctx.is_distributed:  # one plain process: a group of one, same code
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         dev = ctx.device
         wrappers = {
             "NaiveDDP": lambda: NaiveDDP(make_model(args.model, dev)),

@@ -157,12 +157,8 @@ def accumulate(args, ctx, how):
 
 def main():
     args = parse_args()
-    with distributed() as ctx:
+    with distributed(group_of_one=True) as ctx:
         log = get_logger(ctx)
-        if not ctx.is_distributed:
-            # One plain process: a process group of one over an in-memory
-            # store, so the same wrappers run (and average over one rank).
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         world_size = dist.get_world_size()
         diffs = {k: compare_with_torch(k, args, ctx)
                  for k in ("average_gradients", "NaiveDDP", "BucketedDDP")}  # fmt: skip

@@ -129,10 +129,8 @@ def rss_growth_mb(as_view, ctx, args):
 
 def main():
     args = parse_args()
-    with distributed() as ctx:
+    with distributed(group_of_one=True) as ctx:
         log = get_logger(ctx)
-        if not ctx.is_distributed:  # one plain process: a group of one, same code
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         n = dist.get_world_size()
         if args.unused_error:
             torch.manual_seed(0)

@@ -71,15 +71,13 @@ def train(policy, n, group, rank, args, images, labels):
 
 def main():
     args = parse_args()
-    with distributed() as ctx:
+    with distributed(group_of_one=True) as ctx:
         log = get_logger(ctx)
         train_set = load_mnist(train=True, source="subset").dataset
         test_set = load_mnist(train=False, source="subset").dataset
         images = torch.stack([train_set[i][0] for i in range(len(train_set))])
         labels = torch.tensor([train_set[i][1] for i in range(len(train_set))])
         sizes = [n for n in (1, 2, 4) if n <= ctx.world_size]
-        if not ctx.is_distributed:  # one plain process: a group of one, same code
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         # Every rank must create every group, even those it is not part of.
         groups = {n: dist.new_group(list(range(n))) for n in sizes}
         alone = dataclasses.replace(ctx, rank=0, world_size=1, backend=None)

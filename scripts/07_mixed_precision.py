@@ -109,10 +109,8 @@ def train(variant, ctx, args, images, labels):
 
 def main():
     args = parse_args()
-    with distributed() as ctx:
+    with distributed(group_of_one=True) as ctx:
         log = get_logger(ctx)
-        if not ctx.is_distributed:  # one plain process: a group of one, same code
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         train_set = load_mnist(train=True, source="subset").dataset
         test_set = load_mnist(train=False, source="subset").dataset
         images = torch.stack([train_set[i][0] for i in range(len(train_set))])

@@ -87,10 +87,8 @@ def run(layer, x, probe):
 
 def main():
     args = parse_args()
-    with distributed() as ctx:
+    with distributed(group_of_one=True) as ctx:
         log = get_logger(ctx)
-        if not ctx.is_distributed:  # one plain process: a group of one, same code
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         n, b, c = dist.get_world_size(), args.batch_size, args.channels
         gen = torch.Generator().manual_seed(0)  # the same global batch on every rank
         x = torch.randn(n * b, c, 5, generator=gen) * 2 + torch.arange(n * b).view(-1, 1, 1) / b

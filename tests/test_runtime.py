@@ -93,3 +93,12 @@ def test_seed_everything_repeats_draws():
     a = torch.rand(3)
     runtime.seed_everything(7)
     torch.testing.assert_close(torch.rand(3), a)
+
+
+def test_group_of_one_runs_collectives_and_is_destroyed(no_torchrun_env):
+    with runtime.distributed(group_of_one=True) as ctx:
+        assert (ctx.world_size, ctx.backend, ctx.is_distributed) == (1, "gloo", True)
+        t = torch.tensor([3.0])
+        dist.all_reduce(t)  # a group of one: the sum is the tensor itself
+        assert t.item() == 3.0 and dist.get_world_size() == 1
+    assert not dist.is_initialized()
