@@ -1,0 +1,399 @@
+"""Tensor parallelism from scratch: Megatron-LM's MLP split across ranks (notebook 08).
+
+Shoeybi et al., "Megatron-LM: Training Multi-Billion Parameter Language
+Models Using Model Parallelism", 2019, section 3, split one MLP block
+``Y = act(X A) B`` over N ranks without splitting the batch:
+
+- the first weight ``A`` by its output features (columns of ``A``, rows of
+  ``nn.Linear.weight``): rank r computes ``act(X A_r)``, its own slice of the
+  hidden features, with no communication, because the activation acts on
+  each feature alone (:class:`ColumnParallelLinear`);
+- the second weight ``B`` by its input features: rank r multiplies its
+  hidden slice by ``B_r`` and gets a partial sum of the output; one
+  all-reduce adds the N partial sums (:class:`RowParallelLinear`), then the
+  bias is added once.
+
+Two *conjugate* operators place the communication (the paper's f and g):
+
+- f (:func:`copy_to_parallel`), before the column-parallel layer: identity
+  in forward (every rank already holds the whole input ``X``), all-reduce in
+  backward (each rank holds only its slice's contribution to ``dL/dX``);
+- g (:func:`reduce_from_parallel`), after the row-parallel layer: all-reduce
+  in forward, identity in backward (the gradient of a sum reaches every
+  term unchanged).
+
+So a block costs one all-reduce of the block's output ``[B, d]`` in forward
+and one of its input gradient ``[B, d]`` in backward, whatever N is, while
+each rank stores and multiplies 1/N of the weights. :class:`ParallelMLP`
+builds the block from a whole :class:`MLP`, so a test can compare every
+output and gradient with the single-process block.
+
+PyTorch ships the same split as ``ColwiseParallel`` / ``RowwiseParallel``
+plans for ``torch.distributed.tensor.parallel.parallelize_module``
+(https://pytorch.org/docs/stable/distributed.tensor.parallel.html).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional
+
+__all__ = [
+    "ColumnParallelLinear",
+    "CopyToParallel",
+    "MLP",
+    "ParallelMLP",
+    "ReduceFromParallel",
+    "RowParallelLinear",
+    "copy_to_parallel",
+    "gather_shards",
+    "reduce_from_parallel",
+    "shard_range",
+]
+
+
+def _require_group(group: dist.ProcessGroup | None) -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "tensor parallelism with more than one rank needs a process group: run the "
+            "script with torchrun and create the group first "
+            "(with ddp_course.runtime.distributed() as ctx: ...)"
+        )
+
+
+def _all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    # A copy: autograd's input (forward) or incoming gradient (backward) must not change
+    # in place; contiguous because collectives need one flat buffer.
+    out = tensor.contiguous().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+class CopyToParallel(torch.autograd.Function):
+    """Megatron-LM's operator f: identity in forward, all-reduce (sum) in backward.
+
+    Placed where a replicated tensor enters the column-parallel part of a
+    block. Forward returns the input itself (every rank holds the same
+    ``X``); backward sums the gradients of the N ranks, since rank r's
+    gradient only holds what flowed through its own shard of the weights.
+    Shoeybi et al. 2019, section 3, figure 3(a).
+
+    Shapes and dtypes: any tensor; output and gradient have the input's
+    shape and dtype. Call it through :func:`copy_to_parallel`.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)  # a new autograd node, same storage: no copy, no communication
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_reduce_sum(grad, ctx.group), None
+
+
+class ReduceFromParallel(torch.autograd.Function):
+    """Megatron-LM's operator g: all-reduce (sum) in forward, identity in backward.
+
+    Placed after the row-parallel layer: each rank holds a partial sum of
+    the output, and the all-reduce makes the whole output on every rank.
+    The output is a plain sum of the inputs, so the gradient reaching each
+    term is the output's gradient, already equal on every rank: no
+    communication in backward. Shoeybi et al. 2019, section 3, figure 3(a).
+
+    Shapes and dtypes: any tensor; the output has the input's shape and
+    dtype. Call it through :func:`reduce_from_parallel`.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        return _all_reduce_sum(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def copy_to_parallel(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Apply f (identity forward, all-reduce backward) over ``group``.
+
+    Args:
+        x: the replicated input, any shape and floating dtype, equal on
+            every rank of ``group``.
+        group: the tensor-parallel process group (default: the whole job).
+
+    Returns:
+        ``x`` unchanged, wired so that its gradient is summed over ``group``.
+
+    Raises:
+        RuntimeError: no process group has been created.
+    """
+    _require_group(group)
+    return CopyToParallel.apply(x, group)
+
+
+def reduce_from_parallel(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Apply g (all-reduce forward, identity backward) over ``group``.
+
+    Args:
+        x: this rank's partial sum, any shape and floating dtype.
+        group: the tensor-parallel process group (default: the whole job).
+
+    Returns:
+        The sum of ``x`` over the ranks of ``group``, same shape and dtype.
+
+    Raises:
+        RuntimeError: no process group has been created.
+    """
+    _require_group(group)
+    return ReduceFromParallel.apply(x, group)
+
+
+def shard_range(features: int, rank: int, world_size: int, what: str = "features") -> slice:
+    """The slice of ``features`` that ``rank`` owns when split evenly over ``world_size``.
+
+    Rank r owns ``[r * features/N, (r + 1) * features/N)``: contiguous,
+    rank 0 first, so concatenating the shards in rank order gives the whole.
+
+    Args:
+        features: number of features to split (e.g. an MLP's hidden size).
+        rank: 0 <= rank < world_size.
+        world_size: number of tensor-parallel ranks N, >= 1.
+        what: name of the dimension, for the error message.
+
+    Returns:
+        A ``slice`` of length features / N.
+
+    Raises:
+        ValueError: world_size < 1, rank out of range, or ``features`` not
+            divisible by ``world_size`` (uneven shards are not supported:
+            choose a hidden size that is a multiple of the number of ranks,
+            as Megatron-LM does).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    if features % world_size:
+        raise ValueError(
+            f"{what}={features} is not divisible by the tensor-parallel world size "
+            f"{world_size}: every rank must own an equal shard; pick {what} a multiple of "
+            f"{world_size} (e.g. {-(-features // world_size) * world_size}) or another "
+            "number of ranks"
+        )
+    size = features // world_size
+    return slice(rank * size, (rank + 1) * size)
+
+
+def _check_group(rank: int, world_size: int, group: dist.ProcessGroup | None) -> None:
+    if dist.is_available() and dist.is_initialized():
+        actual = (dist.get_rank(group), dist.get_world_size(group))
+        if actual != (rank, world_size):
+            raise ValueError(
+                f"rank={rank}, world_size={world_size} do not match the process group "
+                f"(rank {actual[0]} of {actual[1]}): pass ctx.rank and ctx.world_size"
+            )
+
+
+class ColumnParallelLinear(nn.Module):
+    """A linear layer whose output features are split over ranks (Megatron-LM's ``A``).
+
+    Rank r keeps rows ``shard_range(out_features, r, N)`` of the whole
+    layer's ``weight`` (shape ``[out/N, in]``) and the same slice of its
+    bias. Forward applies f (:func:`copy_to_parallel`) to the replicated
+    input, then its shard: input ``[*, in]``, output ``[*, out/N]``, this
+    rank's slice of the whole layer's output. No communication in forward;
+    one all-reduce of ``dL/dX`` (``[*, in]``) in backward.
+
+    Args:
+        full: the whole layer, ``weight [out, in]``, optional ``bias [out]``;
+            its values are copied, not shared.
+        rank: this rank in the tensor-parallel group.
+        world_size: number of tensor-parallel ranks N.
+        group: the tensor-parallel process group (default: the whole job).
+
+    Raises:
+        ValueError: ``out_features`` not divisible by N, or rank and
+            world_size not those of the process group.
+    """
+
+    def __init__(
+        self,
+        full: nn.Linear,
+        rank: int,
+        world_size: int,
+        group: dist.ProcessGroup | None = None,
+    ):
+        super().__init__()
+        rows = shard_range(full.out_features, rank, world_size, "out_features")
+        _check_group(rank, world_size, group)
+        self.in_features, self.out_features = full.in_features, full.out_features
+        self.rank, self.world_size, self.group = rank, world_size, group
+        self.weight = nn.Parameter(full.weight.detach()[rows].clone())
+        self.bias = None if full.bias is None else nn.Parameter(full.bias.detach()[rows].clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"ColumnParallelLinear expects the whole input, [*, {self.in_features}], "
+                f"got {list(x.shape)}"
+            )
+        if self.world_size > 1:
+            x = copy_to_parallel(x, self.group)
+        return functional.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features} "
+            f"(this shard: {self.weight.shape[0]}), rank={self.rank}/{self.world_size}"
+        )
+
+
+class RowParallelLinear(nn.Module):
+    """A linear layer whose input features are split over ranks (Megatron-LM's ``B``).
+
+    Rank r keeps columns ``shard_range(in_features, r, N)`` of the whole
+    layer's ``weight`` (shape ``[out, in/N]``) and the whole bias. Forward
+    takes this rank's slice of the input, ``[*, in/N]`` (the output of a
+    :class:`ColumnParallelLinear`), computes a partial sum ``[*, out]``,
+    applies g (:func:`reduce_from_parallel`: one all-reduce) and only then
+    adds the bias, so it is counted once and not N times. Output ``[*, out]``,
+    the whole layer's output, equal on every rank. No communication in
+    backward; the bias gradient is the same on every rank.
+
+    Args:
+        full: the whole layer, ``weight [out, in]``, optional ``bias [out]``;
+            its values are copied, not shared.
+        rank: this rank in the tensor-parallel group.
+        world_size: number of tensor-parallel ranks N.
+        group: the tensor-parallel process group (default: the whole job).
+
+    Raises:
+        ValueError: ``in_features`` not divisible by N, or rank and
+            world_size not those of the process group.
+    """
+
+    def __init__(
+        self,
+        full: nn.Linear,
+        rank: int,
+        world_size: int,
+        group: dist.ProcessGroup | None = None,
+    ):
+        super().__init__()
+        cols = shard_range(full.in_features, rank, world_size, "in_features")
+        _check_group(rank, world_size, group)
+        self.in_features, self.out_features = full.in_features, full.out_features
+        self.rank, self.world_size, self.group = rank, world_size, group
+        self.weight = nn.Parameter(full.weight.detach()[:, cols].clone())
+        self.bias = None if full.bias is None else nn.Parameter(full.bias.detach().clone())
+
+    def forward(self, x_shard: torch.Tensor) -> torch.Tensor:
+        if x_shard.shape[-1] != self.weight.shape[1]:
+            raise ValueError(
+                f"RowParallelLinear expects this rank's slice of the input, "
+                f"[*, {self.weight.shape[1]}] = [*, in_features / world_size], "
+                f"got {list(x_shard.shape)}"
+            )
+        partial = functional.linear(x_shard, self.weight)
+        out = reduce_from_parallel(partial, self.group) if self.world_size > 1 else partial
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features} (this shard: {self.weight.shape[1]}), "
+            f"out_features={self.out_features}, rank={self.rank}/{self.world_size}"
+        )
+
+
+class MLP(nn.Module):
+    """The Transformer's MLP block on one process: ``fc2(act(fc1(x)))``.
+
+    Input ``float32 [*, d_model]``, hidden ``[*, hidden]`` (usually
+    4 x d_model), output ``float32 [*, d_model]``. The single-process
+    reference that :class:`ParallelMLP` splits, and the module that
+    ``parallelize_module`` splits with the plan
+    ``{"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}``.
+
+    Args:
+        d_model: input and output features.
+        hidden: hidden features.
+        activation: an element-wise module (default ``nn.GELU()``, as in
+            GPT-2 and Megatron-LM); it must act on each feature alone, or the
+            column split would be wrong.
+    """
+
+    def __init__(self, d_model: int, hidden: int, activation: nn.Module | None = None):
+        super().__init__()
+        self.fc1 = nn.Linear(d_model, hidden)
+        self.act = nn.GELU() if activation is None else activation
+        self.fc2 = nn.Linear(hidden, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class ParallelMLP(nn.Module):
+    """:class:`MLP` split over N ranks: column-parallel fc1, activation, row-parallel fc2.
+
+    Input ``[*, d_model]``, equal on every rank; output ``[*, d_model]``,
+    equal on every rank and to the whole MLP's. Each rank holds
+    ``hidden/N`` of the hidden features: fc1 weight ``[hidden/N, d_model]``,
+    fc2 weight ``[d_model, hidden/N]``, so 1/N of the weights apart from
+    fc2's bias. Communication per call: one all-reduce of ``[*, d_model]``
+    in forward (g) and one in backward (f, when the input needs a
+    gradient, as inside a network). Shoeybi et al. 2019, section 3.
+
+    Args:
+        mlp: the whole block; its weights are copied.
+        rank: this rank in the tensor-parallel group.
+        world_size: number of tensor-parallel ranks N.
+        group: the tensor-parallel process group (default: the whole job).
+
+    Raises:
+        ValueError: the hidden size is not divisible by N, or rank and
+            world_size are not those of the process group.
+    """
+
+    def __init__(
+        self,
+        mlp: MLP,
+        rank: int,
+        world_size: int,
+        group: dist.ProcessGroup | None = None,
+    ):
+        super().__init__()
+        self.fc1 = ColumnParallelLinear(mlp.fc1, rank, world_size, group)
+        self.act = mlp.act
+        self.fc2 = RowParallelLinear(mlp.fc2, rank, world_size, group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def gather_shards(
+    shard: torch.Tensor, dim: int, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Concatenate every rank's ``shard`` along ``dim``, rank 0 first (``all_gather``).
+
+    Rebuilds a whole weight or gradient from its shards, e.g.
+    ``gather_shards(col.weight.grad, 0)`` for a :class:`ColumnParallelLinear`
+    and ``gather_shards(row.weight.grad, 1)`` for a :class:`RowParallelLinear`.
+
+    Args:
+        shard: this rank's tensor; same shape and dtype on every rank.
+        dim: the dimension that was split.
+        group: the process group (default: the whole job).
+
+    Returns:
+        A tensor N times larger along ``dim``, equal on every rank.
+
+    Raises:
+        RuntimeError: no process group has been created.
+    """
+    _require_group(group)
+    parts = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, shard.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
