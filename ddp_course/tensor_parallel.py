@@ -365,6 +365,7 @@ class ParallelMLP(nn.Module):
         group: dist.ProcessGroup | None = None,
     ):
         super().__init__()
+        shard_range(mlp.fc1.out_features, rank, world_size, "hidden")  # the error names it
         self.fc1 = ColumnParallelLinear(mlp.fc1, rank, world_size, group)
         self.act = mlp.act
         self.fc2 = RowParallelLinear(mlp.fc2, rank, world_size, group)
