@@ -10,7 +10,8 @@ SGD, simulated), ``bench`` (timing, algbw/busbw, cost models), ``parallel``
 (a from-scratch DataParallel), ``ddp`` (DistributedDataParallel from scratch:
 per-parameter and bucketed, overlapped with backward), ``pipeline``
 (schedules as data, deadlock check, simulated and executed pipeline
-timelines), ``sampler`` (a from-scratch distributed sampler).
+timelines), ``tensor_parallel`` (Megatron-LM's column- and row-parallel MLP
+with the f and g operators), ``sampler`` (a from-scratch distributed sampler).
 """
 
 __version__ = "0.1.0"
