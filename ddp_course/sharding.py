@@ -32,12 +32,23 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddp_course.ddp import _broadcast_state, _check_same_shapes, _require_group
 
 __all__ = [
     "FP32_ADAM",
     "MIXED_ADAM",
     "BytesPerValue",
+    "CommLog",
     "StateBytes",
+    "Zero",
+    "held_bytes",
     "shard_range",
     "state_bytes_per_rank",
 ]
@@ -145,3 +156,251 @@ def shard_range(numel: int, rank: int, world_size: int) -> tuple[int, int]:
         raise ValueError(f"rank must be in [0, {world_size}), not {rank}")
     s = math.ceil(numel / world_size)
     return min(rank * s, numel), min((rank + 1) * s, numel)
+
+
+@dataclasses.dataclass
+class CommLog:
+    """Collectives one rank called, in the paper's units (section 7).
+
+    A reduce-scatter or an all-gather of a tensor of ``b`` bytes moves ``b``
+    (each rank sends ``(N - 1) / N`` of it in a ring), an all-reduce ``2 b``
+    (a reduce-scatter then an all-gather). Padding added to make the shards
+    equal is left out, so the volume depends only on the model.
+
+    Attributes:
+        calls: ``(op, bytes)`` in call order, op in {"reduce_scatter", "all_gather"}.
+    """
+
+    calls: list[tuple[str, int]] = dataclasses.field(default_factory=list)
+
+    @property
+    def volume_bytes(self) -> int:
+        """Sum of the bytes of every collective's full (unsharded) tensor."""
+        return sum(b for _, b in self.calls)
+
+    def clear(self) -> None:
+        """Forget the calls logged so far (e.g. at the start of a step)."""
+        self.calls.clear()
+
+
+class _Sharded:
+    """One parameter's shard on this rank: the fp32 values and the optimizer's view of them."""
+
+    def __init__(self, param: nn.Parameter, rank: int, world_size: int, own_storage: bool):
+        self.param = param
+        self.numel = param.numel()
+        self.shape = param.shape
+        self.start, self.end = shard_range(self.numel, rank, world_size)
+        self.slot = math.ceil(self.numel / world_size)  # shard size in the padded buffer
+        flat = param.detach().view(-1)[self.start : self.end]
+        # Stages 1 and 2 step a view of the full parameter in place; stage 3
+        # frees the full parameter, so its shard must own its storage.
+        self.shard = nn.Parameter(flat.clone() if own_storage else flat)
+
+
+class Zero(nn.Module):
+    """ZeRO stage 1, 2 or 3 data parallelism around ``module``, with its own optimizer.
+
+    Like ``torch.distributed.optim.ZeroRedundancyOptimizer`` it takes the
+    optimizer *class*: the optimizer is built on this rank's shards only, so
+    its state (Adam: momentum and variance) exists for 1/N of every
+    parameter. The training loop is the usual one::
+
+        zero = Zero(model, torch.optim.Adam, stage=2, lr=1e-3)
+        loss_fn(zero(x), y).backward()
+        zero.step()       # stage 1: reduce-scatter gradients; all stages: step the shards
+        zero.zero_grad()
+
+    - stage 1: after backward every rank holds full gradients; :meth:`step`
+      reduce-scatters each one (sum, then / N), steps the shards and
+      all-gathers the parameters.
+    - stage 2: a post-accumulate-grad hook reduce-scatters each gradient the
+      moment autograd has written it and drops the full gradient.
+    - stage 3: the full parameters are empty outside of use. A forward
+      pre-hook on each module that owns parameters all-gathers them, a forward
+      hook frees them and hooks its outputs' gradients to all-gather them
+      again before the module's backward; the gradient hook reduce-scatters
+      and frees.
+
+    Rank 0's parameters and buffers are broadcast at construction. Every
+    parameter must be used exactly once per forward (no tied weights); every
+    rank must run forward and backward the same number of times.
+
+    Args:
+        module: the model, on this rank's device, same on every rank.
+        optimizer_class: e.g. ``torch.optim.Adam``; called as
+            ``optimizer_class(shards, **defaults)``.
+        stage: 1, 2 or 3.
+        group: process group (default: the world).
+        **defaults: the optimizer's arguments (``lr=...``).
+
+    Attributes:
+        module: the wrapped model.
+        optimizer: the optimizer over this rank's shards.
+        comm: a :class:`CommLog` of every collective since the last ``comm.clear()``.
+
+    Raises:
+        RuntimeError: no process group.
+        ValueError: stage not in 1..3, or parameters differ in name, shape or
+            dtype across ranks.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer_class: Callable[..., torch.optim.Optimizer],
+        stage: int,
+        group: Any = None,
+        **defaults: Any,
+    ):
+        super().__init__()
+        if stage not in (1, 2, 3):
+            raise ValueError(f"stage must be 1, 2 or 3 (stage 0 is plain DDP), not {stage}")
+        self.group = _require_group(group)
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.stage = stage
+        self.module = module
+        self.comm = CommLog()
+        _check_same_shapes(module, self.group)
+        _broadcast_state(module, self.group)
+        self._shards = {
+            p: _Sharded(p, self.rank, self.world_size, own_storage=stage == 3)
+            for p in module.parameters()
+            if p.requires_grad
+        }
+        self.optimizer = optimizer_class([s.shard for s in self._shards.values()], **defaults)
+        if stage >= 2:
+            for p in self._shards:
+                p.register_post_accumulate_grad_hook(self._reduce_grad_hook)
+        if stage == 3:
+            for sub in module.modules():
+                if any(p in self._shards for p in sub.parameters(recurse=False)):
+                    sub.register_forward_pre_hook(self._before_forward)
+                    sub.register_forward_hook(self._after_forward)
+            for p in self._shards:
+                self._free(p)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    # -- collectives, logged -------------------------------------------------
+
+    def _all_gather(self, sharded: _Sharded) -> torch.Tensor:
+        """The full flat parameter from every rank's shard (dtype of the shard)."""
+        piece = torch.zeros(sharded.slot, dtype=sharded.shard.dtype, device=sharded.shard.device)
+        piece[: sharded.end - sharded.start] = sharded.shard.detach()
+        out = piece.new_empty(sharded.slot * self.world_size)
+        dist.all_gather_into_tensor(out, piece, group=self.group)
+        self.comm.calls.append(("all_gather", sharded.numel * piece.element_size()))
+        return out[: sharded.numel]
+
+    def _reduce_scatter(self, sharded: _Sharded, grad: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of the average over ranks of ``grad`` (a new tensor)."""
+        padded = grad.new_zeros(sharded.slot * self.world_size)
+        padded[: sharded.numel] = grad.reshape(-1)
+        out = grad.new_empty(sharded.slot)
+        dist.reduce_scatter_tensor(out, padded, op=dist.ReduceOp.SUM, group=self.group)
+        self.comm.calls.append(("reduce_scatter", sharded.numel * grad.element_size()))
+        return out[: sharded.end - sharded.start] / self.world_size
+
+    # -- gradients -------------------------------------------------------------
+
+    def _accumulate(self, sharded: _Sharded, shard_grad: torch.Tensor) -> None:
+        old = sharded.shard.grad
+        sharded.shard.grad = shard_grad if old is None else old + shard_grad
+
+    def _reduce_grad_hook(self, param: nn.Parameter) -> None:
+        # Stages 2 and 3: keep only this rank's shard of the averaged gradient.
+        self._accumulate(self._shards[param], self._reduce_scatter(self._shards[param], param.grad))
+        param.grad = None
+        if self.stage == 3:
+            self._free(param)
+
+    # -- stage 3: full parameters only while in use -----------------------------
+
+    def _free(self, param: nn.Parameter) -> None:
+        # Swapping .data keeps the Parameter object (and autograd's saved
+        # reference to it) while its full storage is released.
+        param.data = param.data.new_empty(0)
+
+    def _gather(self, module: nn.Module) -> None:
+        for p in module.parameters(recurse=False):
+            if p in self._shards and p.data.numel() == 0:
+                p.data = self._all_gather(self._shards[p]).view(self._shards[p].shape)
+
+    def _before_forward(self, module: nn.Module, args: Any) -> None:
+        self._gather(module)
+
+    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        for p in module.parameters(recurse=False):
+            if p in self._shards:
+                self._free(p)
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            # Runs when the gradient of the output arrives: before this module's backward.
+            output.register_hook(lambda grad: self._gather(module))
+
+    # -- the step ----------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Average the gradients' shards, step this rank's shards, refresh the full parameters.
+
+        Raises:
+            RuntimeError: at stage 1, a trainable parameter has no gradient.
+        """
+        if self.stage == 1:
+            for p, sharded in self._shards.items():
+                if p.grad is None:
+                    raise RuntimeError("a trainable parameter got no gradient before step()")
+                # The averaged shard overwrites its own region of the full
+                # gradient, so stage 1 holds no gradient bytes beyond DDP's.
+                region = p.grad.view(-1)[sharded.start : sharded.end]
+                region.copy_(self._reduce_scatter(sharded, p.grad))
+                sharded.shard.grad = region
+        self.optimizer.step()
+        if self.stage < 3:
+            for p, sharded in self._shards.items():
+                p.view(-1).copy_(self._all_gather(sharded))
+
+    def zero_grad(self) -> None:
+        """Drop the gradients of the shards and of the full parameters."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.module.zero_grad(set_to_none=True)
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every full parameter by name, all-gathered (collective: call it on every rank)."""
+        out = {}
+        with torch.no_grad():
+            for name, p in self.module.named_parameters():
+                if p in self._shards:
+                    out[name] = self._all_gather(self._shards[p]).view(self._shards[p].shape)
+                else:
+                    out[name] = p.detach().clone()
+        return out
+
+
+def held_bytes(zero: Zero) -> StateBytes:
+    """Bytes of parameters, gradients and optimizer state this rank holds right now.
+
+    Counted from the tensors themselves, each storage once (a shard that is a
+    view of the full parameter costs nothing more): the module's parameters
+    and their ``.grad``, the shards' ``.grad`` and every tensor in the
+    optimizer's state (Adam's ``step`` counters included).
+    """
+    seen: set[int] = set()
+
+    def nbytes(tensors: Any) -> int:
+        total = 0
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.numel() > 0:
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    total += storage.nbytes()
+        return total
+
+    params = list(zero.module.parameters()) + [s.shard for s in zero._shards.values()]
+    grads = [p.grad for p in params]
+    state = [t for st in zero.optimizer.state.values() for t in st.values()]
+    return StateBytes(float(nbytes(params)), float(nbytes(grads)), float(nbytes(state)))

@@ -1,8 +1,12 @@
 """ZeRO from scratch: memory per rank against the paper, shards, stages 1-3 against DDP."""
 
-import pytest
+import pathlib
 
-from ddp_course.sharding import FP32_ADAM, MIXED_ADAM, shard_range, state_bytes_per_rank
+import pytest
+import torch
+
+from ddp_course import launch
+from ddp_course.sharding import FP32_ADAM, MIXED_ADAM, Zero, shard_range, state_bytes_per_rank
 
 GB = 1e9
 
@@ -58,3 +62,87 @@ def test_shards_examples_by_hand():
 def test_shard_range_bad_input(args):
     with pytest.raises(ValueError):
         shard_range(*args)
+
+
+def test_zero_bad_input():
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="stage must be 1, 2 or 3"):
+        Zero(model, torch.optim.Adam, stage=0)
+    with pytest.raises(RuntimeError, match="no process group"):
+        Zero(model, torch.optim.Adam, stage=1)
+
+
+# ---- stages 1-3 on 2 and 3 gloo ranks (one job per world size checks everything) ----
+
+GAP = 1e-6  # float rounding of a different summation order; the stages are exact on 2 ranks
+FP32 = 4  # bytes per parameter, per gradient; Adam keeps 2 values (8 bytes) per parameter
+
+
+@pytest.fixture(scope="module")
+def jobs():
+    cache = {}
+
+    def run(nproc):
+        if nproc not in cache:
+            worker = pathlib.Path(__file__).parent / "workers" / "sharding_equivalence.py"
+            job = launch.torchrun(worker, ["--steps", "4"],
+                                  nproc=nproc, results=True, echo=False, timeout_s=240)  # fmt: skip
+            cache[nproc] = job.results
+        return cache[nproc]
+
+    return run
+
+
+def check_stage(r, variant, stage):
+    """Everything lesson 09 claims about one stage; AssertionError names what is off."""
+    psi, n, case = r["num_params"], r["world_size"], r[variant]
+    assert len(case["per_rank"]) == n
+    assert case["gap"] < GAP, f"parameters differ from DDP's by {case['gap']:.2e}"
+    for rank, got in enumerate(case["per_rank"]):
+        held, own = got["held"], got["own"]
+        want_params = FP32 * (own if stage == 3 else psi)
+        want_grads = FP32 * (own if stage >= 2 else psi)
+        want_optim = 2 * FP32 * own + 4 * got["tensors"]  # + Adam's float32 step counters
+        assert held["params"] == want_params, f"rank {rank} holds {held['params']} B of params"
+        assert held["grads"] == want_grads, f"rank {rank} holds {held['grads']} B of grads"
+        assert held["optimizer"] == want_optim, f"rank {rank} holds {held['optimizer']} B of state"
+        for kind, formula in case["formula"].items():  # the paper's formula, within 10%
+            assert held[kind] == pytest.approx(formula, rel=0.1), f"rank {rank} {kind}"
+    # Communication: DDP all-reduces 2 Psi values per step; stages 1 and 2 the same
+    # (reduce-scatter Psi + all-gather Psi), stage 3 one all-gather more: 3 Psi.
+    assert r["ddp_volume"] == 2 * FP32 * psi
+    want_volume = r["ddp_volume"] * (3 if stage == 3 else 2) // 2
+    assert case["volume"] == want_volume, f"{case['volume']} B communicated, not {want_volume}"
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_stage_equals_ddp_memory_and_bytes(jobs, nproc, stage):
+    r = jobs(nproc)
+    assert r["world_size"] == nproc
+    check_stage(r, f"stage{stage}", stage)
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+@pytest.mark.parametrize(
+    ("variant", "stage", "caught"),
+    [
+        # Adam divides by the gradient's own scale, so a sum instead of an
+        # average moves the parameters only through eps: small, but far above GAP.
+        ("stage1-sum", 1, "parameters differ"),
+        ("stage3-sum", 3, "parameters differ"),
+        ("stage2-no-gather", 2, "parameters differ"),
+        # Same parameters as DDP, but the optimizer state is not sharded.
+        ("stage1-whole-optimizer", 1, "B of state"),
+    ],
+)
+def test_broken_stages_are_caught(jobs, nproc, variant, stage, caught):
+    with pytest.raises(AssertionError, match=caught):
+        check_stage(jobs(nproc), variant, stage)
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_models_that_differ_across_ranks_are_refused(jobs, nproc):
+    message = jobs(nproc)["mismatch_error"]
+    assert message is not None and "differs from rank 0" in message
+    assert "Build the same model on every rank" in message

@@ -1,0 +1,137 @@
+"""Worker: ZeRO stages 1-3 trained with Adam against torch's DDP + Adam, plus broken variants.
+
+Every rank builds the model with its own seed (Zero and DDP must broadcast
+rank 0's), trains each variant for ``--steps`` steps on the same batches and
+reports, from rank 0: the largest parameter gap to DDP, the bytes of state
+each rank holds after a step, and the collective volume of one step.
+
+    torchrun --nproc_per_node=2 tests/workers/sharding_equivalence.py --results r.json
+"""
+
+import argparse
+import json
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddp_course.models import MLP
+from ddp_course.runtime import distributed
+from ddp_course.sharding import FP32_ADAM, Zero, held_bytes, state_bytes_per_rank
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, default=4)
+parser.add_argument("--batch-size", type=int, default=4)
+parser.add_argument("--results")
+args = parser.parse_args()
+
+
+class SummedZero(Zero):
+    """Broken: sums gradients over ranks instead of averaging them."""
+
+    def _reduce_scatter(self, sharded, grad):
+        return super()._reduce_scatter(sharded, grad) * self.world_size
+
+
+class NoGatherZero(Zero):
+    """Broken: after the step each rank keeps only its own shard up to date."""
+
+    def _all_gather(self, sharded):
+        full = sharded.param.detach().reshape(-1).clone()
+        full[sharded.start : sharded.end] = sharded.shard.detach()
+        return full
+
+
+class WholeModelZero(Zero):
+    """Broken: every rank keeps optimizer state for the whole model (plain DDP memory)."""
+
+    def __init__(self, module, optimizer_class, stage, **defaults):
+        super().__init__(module, optimizer_class, stage, **defaults)
+        self.spare = optimizer_class(list(module.parameters()), **defaults)
+
+    def step(self):
+        super().step()
+        for p in self.spare.param_groups[0]["params"]:
+            for name in ("exp_avg", "exp_avg_sq"):
+                self.spare.state[p][name] = torch.zeros_like(p)
+        self.optimizer.state.update(self.spare.state)
+
+
+VARIANTS = {
+    "stage1": (Zero, 1), "stage2": (Zero, 2), "stage3": (Zero, 3),
+    "stage1-sum": (SummedZero, 1), "stage3-sum": (SummedZero, 3),
+    "stage2-no-gather": (NoGatherZero, 2), "stage1-whole-optimizer": (WholeModelZero, 1),
+}  # fmt: skip
+
+
+def new_model(ctx):
+    torch.manual_seed(1000 + ctx.rank)  # different on every rank on purpose
+    return MLP(in_features=20, hidden=32, num_classes=5).to(ctx.device)
+
+
+def batches(ctx, n, b):
+    gen = torch.Generator().manual_seed(123)
+    for _ in range(args.steps):
+        x = torch.randn(n * b, 20, generator=gen).to(ctx.device)
+        y = torch.randint(0, 5, (n * b,), generator=gen).to(ctx.device)
+        mine = slice(ctx.rank * b, (ctx.rank + 1) * b)
+        yield x[mine], y[mine]
+
+
+def loss_of(model, x, y):
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+with distributed() as ctx:
+    n, b = ctx.world_size, args.batch_size
+    ddp_volume = []
+
+    def counting_hook(state, bucket):
+        ddp_volume[-1] += 2 * bucket.buffer().numel() * bucket.buffer().element_size()
+        return allreduce_hook(None, bucket)
+
+    ddp = DDP(new_model(ctx))
+    ddp.register_comm_hook(None, counting_hook)
+    opt = torch.optim.Adam(ddp.parameters(), lr=0.01)
+    for x, y in batches(ctx, n, b):
+        ddp_volume.append(0)
+        opt.zero_grad()
+        loss_of(ddp, x, y).backward()
+        opt.step()
+    reference = {name: p.detach() for name, p in ddp.module.named_parameters()}
+    num_params = sum(p.numel() for p in reference.values())
+
+    out = {"world_size": n, "num_params": num_params, "ddp_volume": ddp_volume[-1]}
+    for name, (cls, stage) in VARIANTS.items():
+        zero = cls(new_model(ctx), torch.optim.Adam, stage, lr=0.01)
+        for x, y in batches(ctx, n, b):
+            zero.comm.clear()
+            loss_of(zero, x, y).backward()
+            zero.step()
+            held = held_bytes(zero)  # after the step: gradients and optimizer state alive
+            volume = zero.comm.volume_bytes
+            zero.zero_grad()
+        full = zero.full_parameters()
+        gap = max((full[k] - reference[k]).abs().max().item() for k in reference)
+        # This rank's elements, and how many parameter tensors (one Adam step counter each).
+        own = sum(s.end - s.start for s in zero._shards.values())
+        per_rank = [None] * n
+        dist.all_gather_object(
+            per_rank, {"held": held.__dict__, "own": own, "tensors": len(zero._shards)}
+        )
+        out[name] = {
+            "gap": gap,
+            "per_rank": per_rank,
+            "volume": volume,
+            "ops": sorted({op for op, _ in zero.comm.calls}),
+            "formula": state_bytes_per_rank(stage, num_params, n, FP32_ADAM).__dict__,
+        }
+    try:  # a model that differs across ranks must be refused on every rank
+        Zero(MLP(in_features=20, hidden=32 + ctx.rank, num_classes=5), torch.optim.Adam, 2)
+        out["mismatch_error"] = None
+    except ValueError as error:
+        out["mismatch_error"] = str(error)
+    if ctx.is_main and args.results:
+        with open(args.results, "w") as f:
+            json.dump(out, f)
