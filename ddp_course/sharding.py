@@ -238,6 +238,8 @@ class Zero(nn.Module):
         module: the wrapped model.
         optimizer: the optimizer over this rank's shards.
         comm: a :class:`CommLog` of every collective since the last ``comm.clear()``.
+        peak_gathered_bytes: stage 3: the most bytes of full parameters that
+            were all-gathered at the same time (set it to 0 to start again).
 
     Raises:
         RuntimeError: no process group.
@@ -262,6 +264,7 @@ class Zero(nn.Module):
         self.stage = stage
         self.module = module
         self.comm = CommLog()
+        self.peak_gathered_bytes = 0
         _check_same_shapes(module, self.group)
         _broadcast_state(module, self.group)
         self._shards = {
@@ -328,6 +331,8 @@ class Zero(nn.Module):
         for p in module.parameters(recurse=False):
             if p in self._shards and p.data.numel() == 0:
                 p.data = self._all_gather(self._shards[p]).view(self._shards[p].shape)
+        in_use = sum(p.data.nbytes for p in self._shards)
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, in_use)
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         self._gather(module)

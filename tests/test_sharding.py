@@ -108,6 +108,9 @@ def check_stage(r, variant, stage):
         assert held["optimizer"] == want_optim, f"rank {rank} holds {held['optimizer']} B of state"
         for kind, formula in case["formula"].items():  # the paper's formula, within 10%
             assert held[kind] == pytest.approx(formula, rel=0.1), f"rank {rank} {kind}"
+    if stage == 3:  # full parameters only for the layers in use, never the whole model
+        peak, layers = case["peak_gathered"], r["layer_bytes"]
+        assert max(layers) <= peak < sum(layers), f"{peak} B gathered at once, layers {layers}"
     # Communication: DDP all-reduces 2 Psi values per step; stages 1 and 2 the same
     # (reduce-scatter Psi + all-gather Psi), stage 3 one all-gather more: 3 Psi.
     assert r["ddp_volume"] == 2 * FP32 * psi
@@ -134,6 +137,8 @@ def test_zero_stage_equals_ddp_memory_and_bytes(jobs, nproc, stage):
         ("stage2-no-gather", 2, "parameters differ"),
         # Same parameters as DDP, but the optimizer state is not sharded.
         ("stage1-whole-optimizer", 1, "B of state"),
+        # Same parameters and bytes after the step, but the whole model was gathered at once.
+        ("stage3-keep-gathered", 3, "gathered at once"),
     ],
 )
 def test_broken_stages_are_caught(jobs, nproc, variant, stage, caught):

@@ -58,10 +58,18 @@ class WholeModelZero(Zero):
         self.optimizer.state.update(self.spare.state)
 
 
+class KeepGatheredZero(Zero):
+    """Broken stage 3: parameters stay gathered from forward until their gradient is reduced."""
+
+    def _after_forward(self, module, args, output):
+        pass
+
+
 VARIANTS = {
     "stage1": (Zero, 1), "stage2": (Zero, 2), "stage3": (Zero, 3),
     "stage1-sum": (SummedZero, 1), "stage3-sum": (SummedZero, 3),
     "stage2-no-gather": (NoGatherZero, 2), "stage1-whole-optimizer": (WholeModelZero, 1),
+    "stage3-keep-gathered": (KeepGatheredZero, 3),
 }  # fmt: skip
 
 
@@ -100,9 +108,15 @@ with distributed() as ctx:
         loss_of(ddp, x, y).backward()
         opt.step()
     reference = {name: p.detach() for name, p in ddp.module.named_parameters()}
+    layer_bytes = [sum(p.nbytes for p in m.parameters(recurse=False)) for m in ddp.module.modules()]
     num_params = sum(p.numel() for p in reference.values())
 
-    out = {"world_size": n, "num_params": num_params, "ddp_volume": ddp_volume[-1]}
+    out = {
+        "world_size": n,
+        "num_params": num_params,
+        "ddp_volume": ddp_volume[-1],
+        "layer_bytes": [b for b in layer_bytes if b],
+    }
     for name, (cls, stage) in VARIANTS.items():
         zero = cls(new_model(ctx), torch.optim.Adam, stage, lr=0.01)
         for x, y in batches(ctx, n, b):
@@ -124,6 +138,7 @@ with distributed() as ctx:
             "gap": gap,
             "per_rank": per_rank,
             "volume": volume,
+            "peak_gathered": zero.peak_gathered_bytes,
             "ops": sorted({op for op, _ in zero.comm.calls}),
             "formula": state_bytes_per_rank(stage, num_params, n, FP32_ADAM).__dict__,
         }
