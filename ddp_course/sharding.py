@@ -184,7 +184,11 @@ class CommLog:
 
 
 class _Sharded:
-    """One parameter's shard on this rank: the fp32 values and the optimizer's view of them."""
+    """One parameter's shard on this rank: the values this rank's optimizer steps.
+
+    ``shard`` is a 1-D ``nn.Parameter`` of ``end - start`` elements (possibly
+    none), the parameter's dtype, ``[start, end)`` of the flattened parameter.
+    """
 
     def __init__(self, param: nn.Parameter, rank: int, world_size: int, own_storage: bool):
         self.param = param
@@ -223,8 +227,10 @@ class Zero(nn.Module):
       and frees.
 
     Rank 0's parameters and buffers are broadcast at construction. Every
-    parameter must be used exactly once per forward (no tied weights); every
-    rank must run forward and backward the same number of times.
+    parameter must be used exactly once per forward (no tied weights), by the
+    module that owns it, which returns a tensor or a tuple of tensors; every
+    rank must run forward and backward the same number of times. A rank
+    whose shard of a small parameter is empty still joins every collective.
 
     Args:
         module: the model, on this rank's device, same on every rank.
@@ -341,9 +347,12 @@ class Zero(nn.Module):
         for p in module.parameters(recurse=False):
             if p in self._shards:
                 self._free(p)
-        if isinstance(output, torch.Tensor) and output.requires_grad:
-            # Runs when the gradient of the output arrives: before this module's backward.
-            output.register_hook(lambda grad: self._gather(module))
+        outputs = output if isinstance(output, (tuple, list)) else (output,)
+        for out in outputs:
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                # Runs when the gradient of the output arrives, before this
+                # module's backward needs the weights again.
+                out.register_hook(lambda grad: self._gather(module))
 
     # -- the step ----------------------------------------------------------------
 

@@ -124,6 +124,8 @@ def test_zero_stage_equals_ddp_memory_and_bytes(jobs, nproc, stage):
     r = jobs(nproc)
     assert r["world_size"] == nproc
     check_stage(r, f"stage{stage}", stage)
+    # The model's one-element parameter leaves every rank but rank 0 an empty shard.
+    assert [got["empty"] for got in r[f"stage{stage}"]["per_rank"]] == [0] + [1] * (nproc - 1)
 
 
 @pytest.mark.parametrize("nproc", [2, 3])
@@ -138,12 +140,22 @@ def test_zero_stage_equals_ddp_memory_and_bytes(jobs, nproc, stage):
         # Same parameters as DDP, but the optimizer state is not sharded.
         ("stage1-whole-optimizer", 1, "B of state"),
         # Same parameters and bytes after the step, but the whole model was gathered at once.
-        ("stage3-keep-gathered", 3, "gathered at once"),
+        ("stage3-no-reshard", 3, "gathered at once"),
     ],
 )
 def test_broken_stages_are_caught(jobs, nproc, variant, stage, caught):
     with pytest.raises(AssertionError, match=caught):
         check_stage(jobs(nproc), variant, stage)
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_not_freeing_after_forward_trades_memory_for_one_all_gather(jobs, nproc):
+    r = jobs(nproc)
+    kept, freed = r["stage3-no-reshard"], r["stage3"]
+    assert kept["gap"] < GAP  # still trains like DDP
+    assert kept["peak_gathered"] == sum(r["layer_bytes"])  # the whole model at once
+    assert freed["peak_gathered"] == max(r["layer_bytes"])  # one layer at a time
+    assert kept["volume"] == r["ddp_volume"] < freed["volume"]  # no all-gather in backward
 
 
 @pytest.mark.parametrize("nproc", [2, 3])

@@ -59,7 +59,11 @@ class WholeModelZero(Zero):
 
 
 class KeepGatheredZero(Zero):
-    """Broken stage 3: parameters stay gathered from forward until their gradient is reduced."""
+    """Stage 3 that keeps each layer gathered from its forward until its gradient is reduced.
+
+    Wrong for the memory claim (the whole model is gathered at once), and the
+    trade FSDP2's ``reshard_after_forward=False`` makes: one all-gather less.
+    """
 
     def _after_forward(self, module, args, output):
         pass
@@ -69,13 +73,26 @@ VARIANTS = {
     "stage1": (Zero, 1), "stage2": (Zero, 2), "stage3": (Zero, 3),
     "stage1-sum": (SummedZero, 1), "stage3-sum": (SummedZero, 3),
     "stage2-no-gather": (NoGatherZero, 2), "stage1-whole-optimizer": (WholeModelZero, 1),
-    "stage3-keep-gathered": (KeepGatheredZero, 3),
+    "stage3-no-reshard": (KeepGatheredZero, 3),
 }  # fmt: skip
+
+
+class Scale(torch.nn.Module):
+    """One learnable number: its single element leaves every rank but rank 0 an empty shard."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(1) + 0.1 * torch.randn(1))
+
+    def forward(self, x):
+        return x * self.scale
 
 
 def new_model(ctx):
     torch.manual_seed(1000 + ctx.rank)  # different on every rank on purpose
-    return MLP(in_features=20, hidden=32, num_classes=5).to(ctx.device)
+    return torch.nn.Sequential(MLP(in_features=20, hidden=32, num_classes=5), Scale()).to(
+        ctx.device
+    )
 
 
 def batches(ctx, n, b):
@@ -132,7 +149,13 @@ with distributed() as ctx:
         own = sum(s.end - s.start for s in zero._shards.values())
         per_rank = [None] * n
         dist.all_gather_object(
-            per_rank, {"held": held.__dict__, "own": own, "tensors": len(zero._shards)}
+            per_rank,
+            {
+                "held": held.__dict__,
+                "own": own,
+                "tensors": len(zero._shards),
+                "empty": sum(s.start == s.end for s in zero._shards.values()),
+            },
         )
         out[name] = {
             "gap": gap,
