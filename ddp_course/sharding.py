@@ -23,8 +23,10 @@ Every parameter is sharded on its own (as FSDP2 does): flattened, padded to a
 multiple of N for the collectives, rank r owning elements
 ``[r * s, min((r + 1) * s, n))`` with ``s = ceil(n / N)``.
 
-On gloo, ``dist.reduce_scatter_tensor`` and ``dist.all_gather_into_tensor``
-exist (checked with PyTorch 2.13); ``ReduceOp.AVG`` is not portable across
+Gloo implements both collectives used here on CPU tensors (checked with
+PyTorch 2.13): ``dist.reduce_scatter_single`` and ``dist.all_gather_single``
+(``reduce_scatter_tensor`` and ``all_gather_into_tensor`` before 2.13), so no
+emulation with all-reduce is needed. ``ReduceOp.AVG`` is not portable across
 backends, so gradients are summed and divided by N, as DDP does.
 """
 
@@ -40,6 +42,11 @@ import torch.distributed as dist
 from torch import nn
 
 from ddp_course.ddp import _broadcast_state, _check_same_shapes, _require_group
+
+# PyTorch 2.13 renamed all_gather_into_tensor and reduce_scatter_tensor (same
+# arguments); the course supports torch >= 2.11, which may have only the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 __all__ = [
     "FP32_ADAM",
@@ -300,7 +307,7 @@ class Zero(nn.Module):
         piece = torch.zeros(sharded.slot, dtype=sharded.shard.dtype, device=sharded.shard.device)
         piece[: sharded.end - sharded.start] = sharded.shard.detach()
         out = piece.new_empty(sharded.slot * self.world_size)
-        dist.all_gather_into_tensor(out, piece, group=self.group)
+        _all_gather_single(out, piece, group=self.group)
         self.comm.calls.append(("all_gather", sharded.numel * piece.element_size()))
         return out[: sharded.numel]
 
@@ -309,7 +316,7 @@ class Zero(nn.Module):
         padded = grad.new_zeros(sharded.slot * self.world_size)
         padded[: sharded.numel] = grad.reshape(-1)
         out = grad.new_empty(sharded.slot)
-        dist.reduce_scatter_tensor(out, padded, op=dist.ReduceOp.SUM, group=self.group)
+        _reduce_scatter_single(out, padded, op=dist.ReduceOp.SUM, group=self.group)
         self.comm.calls.append(("reduce_scatter", sharded.numel * grad.element_size()))
         return out[: sharded.end - sharded.start] / self.world_size
 

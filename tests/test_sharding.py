@@ -111,6 +111,14 @@ def check_stage(r, variant, stage):
     if stage == 3:  # full parameters only for the layers in use, never the whole model
         peak, layers = case["peak_gathered"], r["layer_bytes"]
         assert max(layers) <= peak < sum(layers), f"{peak} B gathered at once, layers {layers}"
+    # Zero's log holds every collective torch saw (CommDebugMode), no more, no fewer.
+    logged = case["logged_calls"]
+    ours = {
+        "c10d._allgather_base_": logged.count("all_gather"),
+        "c10d._reduce_scatter_base_": logged.count("reduce_scatter"),
+    }
+    ours = {op: count for op, count in ours.items() if count}
+    assert case["torch_counts"] == ours, f"the log misses a collective torch saw: {ours}"
     # Communication: DDP all-reduces 2 Psi values per step; stages 1 and 2 the same
     # (reduce-scatter Psi + all-gather Psi), stage 3 one all-gather more: 3 Psi.
     assert r["ddp_volume"] == 2 * FP32 * psi
@@ -139,6 +147,7 @@ def test_zero_stage_equals_ddp_memory_and_bytes(jobs, nproc, stage):
         ("stage2-no-gather", 2, "parameters differ"),
         # Same parameters as DDP, but the optimizer state is not sharded.
         ("stage1-whole-optimizer", 1, "B of state"),
+        ("stage2-unlogged", 2, "the log misses a collective"),
         # Same parameters and bytes after the step, but the whole model was gathered at once.
         ("stage3-no-reshard", 3, "gathered at once"),
     ],

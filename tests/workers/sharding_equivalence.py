@@ -10,10 +10,12 @@ each rank holds after a step, and the collective volume of one step.
 
 import argparse
 import json
+import warnings
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.tensor.debug import CommDebugMode
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_course.models import MLP
@@ -25,6 +27,8 @@ parser.add_argument("--steps", type=int, default=4)
 parser.add_argument("--batch-size", type=int, default=4)
 parser.add_argument("--results")
 args = parser.parse_args()
+# CommDebugMode's module tracker uses full backward hooks, which warn on the first layer.
+warnings.filterwarnings("ignore", message="Full backward hook is firing")
 
 
 class SummedZero(Zero):
@@ -40,6 +44,15 @@ class NoGatherZero(Zero):
     def _all_gather(self, sharded):
         full = sharded.param.detach().reshape(-1).clone()
         full[sharded.start : sharded.end] = sharded.shard.detach()
+        return full
+
+
+class UnloggedZero(Zero):
+    """Broken bookkeeping: all-gathers happen but are left out of the log."""
+
+    def _all_gather(self, sharded):
+        full = super()._all_gather(sharded)
+        self.comm.calls.pop()
         return full
 
 
@@ -72,7 +85,8 @@ class KeepGatheredZero(Zero):
 VARIANTS = {
     "stage1": (Zero, 1), "stage2": (Zero, 2), "stage3": (Zero, 3),
     "stage1-sum": (SummedZero, 1), "stage3-sum": (SummedZero, 3),
-    "stage2-no-gather": (NoGatherZero, 2), "stage1-whole-optimizer": (WholeModelZero, 1),
+    "stage2-no-gather": (NoGatherZero, 2), "stage2-unlogged": (UnloggedZero, 2),
+    "stage1-whole-optimizer": (WholeModelZero, 1),
     "stage3-no-reshard": (KeepGatheredZero, 3),
 }  # fmt: skip
 
@@ -138,10 +152,13 @@ with distributed() as ctx:
         zero = cls(new_model(ctx), torch.optim.Adam, stage, lr=0.01)
         for x, y in batches(ctx, n, b):
             zero.comm.clear()
-            loss_of(zero, x, y).backward()
-            zero.step()
+            # torch's own count of the c10d collectives, to check that Zero logs every one
+            with CommDebugMode() as torch_count:
+                loss_of(zero, x, y).backward()
+                zero.step()
             held = held_bytes(zero)  # after the step: gradients and optimizer state alive
             volume = zero.comm.volume_bytes
+            logged = [op for op, _ in zero.comm.calls]
             zero.zero_grad()
         full = zero.full_parameters()
         gap = max((full[k] - reference[k]).abs().max().item() for k in reference)
@@ -162,6 +179,8 @@ with distributed() as ctx:
             "per_rank": per_rank,
             "volume": volume,
             "peak_gathered": zero.peak_gathered_bytes,
+            "logged_calls": logged,
+            "torch_counts": {str(k): v for k, v in torch_count.get_comm_counts().items()},
             "ops": sorted({op for op, _ in zero.comm.calls}),
             "formula": state_bytes_per_rank(stage, num_params, n, FP32_ADAM).__dict__,
         }
