@@ -389,6 +389,14 @@ class Zero(nn.Module):
         self.optimizer.zero_grad(set_to_none=True)
         self.module.zero_grad(set_to_none=True)
 
+    def shard_ranges(self) -> dict[str, tuple[int, int]]:
+        """``[start, end)`` of each trainable parameter (flattened) that this rank owns, by name."""
+        return {
+            name: (self._shards[p].start, self._shards[p].end)
+            for name, p in self.module.named_parameters()
+            if p in self._shards
+        }
+
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every full parameter by name, all-gathered (collective: call it on every rank)."""
         out = {}

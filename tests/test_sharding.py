@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ddp_course import launch
+from ddp_course.runtime import distributed
 from ddp_course.sharding import FP32_ADAM, MIXED_ADAM, Zero, shard_range, state_bytes_per_rank
 
 GB = 1e9
@@ -70,6 +71,28 @@ def test_zero_bad_input():
         Zero(model, torch.optim.Adam, stage=0)
     with pytest.raises(RuntimeError, match="no process group"):
         Zero(model, torch.optim.Adam, stage=1)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_one_rank_equals_plain_adam(stage):
+    # The path of `python scripts/09_zero.py`: a process group of one rank.
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    model.load_state_dict(plain.state_dict())
+    opt = torch.optim.Adam(plain.parameters(), lr=0.01)
+    with distributed(group_of_one=True):
+        zero = Zero(model, torch.optim.Adam, stage, lr=0.01)
+        for _ in range(3):
+            x = torch.randn(4, 6)
+            for m, step, zero_grad in ((plain, opt.step, opt.zero_grad),
+                                       (zero, zero.step, zero.zero_grad)):  # fmt: skip
+                m(x).square().mean().backward()
+                step()
+                zero_grad()
+        full = zero.full_parameters()
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(full[name], p.detach(), rtol=0, atol=0)
 
 
 # ---- stages 1-3 on 2 and 3 gloo ranks (one job per world size checks everything) ----

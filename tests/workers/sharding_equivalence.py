@@ -163,15 +163,16 @@ with distributed() as ctx:
         full = zero.full_parameters()
         gap = max((full[k] - reference[k]).abs().max().item() for k in reference)
         # This rank's elements, and how many parameter tensors (one Adam step counter each).
-        own = sum(s.end - s.start for s in zero._shards.values())
+        ranges = zero.shard_ranges().values()
+        own = sum(end - start for start, end in ranges)
         per_rank = [None] * n
         dist.all_gather_object(
             per_rank,
             {
                 "held": held.__dict__,
                 "own": own,
-                "tensors": len(zero._shards),
-                "empty": sum(s.start == s.end for s in zero._shards.values()),
+                "tensors": len(ranges),
+                "empty": sum(start == end for start, end in ranges),
             },
         )
         out[name] = {
