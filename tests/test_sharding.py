@@ -21,12 +21,16 @@ def test_memory_matches_the_papers_figure_1(stage, paper_gb):
     assert got == pytest.approx(paper_gb, abs=0.05)
 
 
-def test_memory_matches_the_papers_table_1():
-    # ZeRO paper, Table 1, 7.5B parameters: N = 1024 gives 7.5B * 16 / 1024 bytes = 0.12 GB
-    # at stage 3; N = 1 gives 120 GB at every stage.
-    assert state_bytes_per_rank(3, 7_500_000_000, 1024).total / GB == pytest.approx(0.12, abs=0.01)
-    for stage in range(4):
-        assert state_bytes_per_rank(stage, 7_500_000_000, 1).total / GB == pytest.approx(120)
+@pytest.mark.parametrize(
+    ("world_size", "paper_gb"),
+    # ZeRO paper, Table 1, 7.5B parameters, columns P_os, P_os+g, P_os+g+p, in GB.
+    [(1, (120, 120, 120)), (4, (52.5, 41.3, 30)), (16, (35.6, 21.6, 7.5)),
+     (1024, (30.1, 15.1, 0.12))],
+)  # fmt: skip
+def test_memory_matches_the_papers_table_1(world_size, paper_gb):
+    for stage, want in zip((1, 2, 3), paper_gb):
+        got = state_bytes_per_rank(stage, 7_500_000_000, world_size).total / GB
+        assert got == pytest.approx(want, abs=0.05), f"stage {stage}"
 
 
 def test_sixteen_bytes_per_parameter_and_fp32_adam():
