@@ -11,7 +11,8 @@ SGD, simulated), ``bench`` (timing, algbw/busbw, cost models), ``parallel``
 per-parameter and bucketed, overlapped with backward), ``pipeline``
 (schedules as data, deadlock check, simulated and executed pipeline
 timelines), ``tensor_parallel`` (Megatron-LM's column- and row-parallel MLP
-with the f and g operators), ``sampler`` (a from-scratch distributed sampler).
+with the f and g operators), ``sharding`` (ZeRO stages 1-3 from scratch and the
+paper's memory per rank), ``sampler`` (a from-scratch distributed sampler).
 """
 
 __version__ = "0.1.0"
