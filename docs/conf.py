@@ -15,3 +15,5 @@ html_show_sourcelink = False
 exclude_patterns = ["_build", "**.ipynb_checkpoints"]
 # MyST's heading-level check is about style, not broken output.
 suppress_warnings = ["myst.header"]
+# Text as written: quotes and dashes stay what the README and the lessons typed.
+smartquotes = False
