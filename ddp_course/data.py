@@ -66,6 +66,18 @@ class MnistSplit:
     source: str
     root: pathlib.Path
 
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole split in memory, transformed as the data set serves it.
+
+        For small splits that a script slices by hand (no DataLoader).
+
+        Returns:
+            ``images`` float32 ``[n, 1, 28, 28]`` (normalised) and ``labels``
+            int64 ``[n]``.
+        """
+        items = [self.dataset[i] for i in range(len(self.dataset))]
+        return torch.stack([x for x, _ in items]), torch.tensor([y for _, y in items])
+
 
 def _transform():
     from torchvision import transforms

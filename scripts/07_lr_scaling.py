@@ -73,10 +73,8 @@ def main():
     args = parse_args()
     with distributed(group_of_one=True) as ctx:
         log = get_logger(ctx)
-        train_set = load_mnist(train=True, source="subset").dataset
+        images, labels = load_mnist(train=True, source="subset").tensors()
         test_set = load_mnist(train=False, source="subset").dataset
-        images = torch.stack([train_set[i][0] for i in range(len(train_set))])
-        labels = torch.tensor([train_set[i][1] for i in range(len(train_set))])
         sizes = [n for n in (1, 2, 4) if n <= ctx.world_size]
         # Every rank must create every group, even those it is not part of.
         groups = {n: dist.new_group(list(range(n))) for n in sizes}

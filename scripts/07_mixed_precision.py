@@ -111,10 +111,8 @@ def main():
     args = parse_args()
     with distributed(group_of_one=True) as ctx:
         log = get_logger(ctx)
-        train_set = load_mnist(train=True, source="subset").dataset
+        images, labels = load_mnist(train=True, source="subset").tensors()
         test_set = load_mnist(train=False, source="subset").dataset
-        images = torch.stack([train_set[i][0] for i in range(len(train_set))])
-        labels = torch.tensor([train_set[i][1] for i in range(len(train_set))])
         results = {}
         for variant in VARIANTS:
             module, stats = train(variant, ctx, args, images, labels)

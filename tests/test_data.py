@@ -99,3 +99,13 @@ def test_synthetic_classification_is_seeded_and_shaped():
     torch.testing.assert_close(x, b.tensors[0])
     with pytest.raises(ValueError):
         data.synthetic_classification(0)
+
+
+def test_split_tensors_are_the_data_set_in_memory():
+    split = data.load_mnist(train=False, source="subset")
+    images, labels = split.tensors()
+    assert images.shape == (1000, 1, 28, 28) and images.dtype == torch.float32
+    assert labels.shape == (1000,) and labels.dtype == torch.int64
+    for i in (0, 999):
+        x, y = split.dataset[i]
+        assert torch.equal(images[i], x) and labels[i].item() == y
