@@ -34,9 +34,12 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import json
+import linecache
 import os
 import pathlib
+import random
 import re
+import resource
 import shlex
 import signal
 import socket
@@ -101,11 +104,45 @@ class LaunchResult:
     wall_s: float
 
 
+def _ephemeral_ports() -> range:
+    # The kernel picks a client's source port from this range. Linux says so
+    # in /proc; elsewhere assume the IANA range (macOS, Windows).
+    try:
+        low, high = map(
+            int, pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        )
+    except (OSError, ValueError):
+        low, high = 49152, 65535
+    return range(low, high + 1)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago (bind to port 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A TCP port that is free on ``host`` and lies outside the ephemeral range.
+
+    A rank that connects to a store before the store's owner listens retries
+    with a fresh source port from the ephemeral range each time. If the store's
+    port is in that range, one retry can draw the port itself and TCP connects
+    the socket to itself ("simultaneous open"): the client then waits forever
+    for an answer it sent to itself, and the job hangs. A port below the range
+    cannot be drawn, so it is picked at random from ``[10000, low)`` (or from
+    the range's top end when it starts too low) and bound once to check it.
+
+    Raises:
+        RuntimeError: if no port outside the ephemeral range could be bound.
+    """
+    ephemeral = _ephemeral_ports()
+    candidates = list(range(10000, ephemeral.start)) or list(range(ephemeral.stop, 65536))
+    for port in random.sample(candidates, min(200, len(candidates))):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(
+        f"no free TCP port on {host} outside the ephemeral range "
+        f"{ephemeral.start}-{ephemeral.stop - 1}; close some servers or pass a port yourself"
+    )
 
 
 _PREFIX = re.compile(r"^\[[^\]]*?(\d+)\]:", re.MULTILINE)
@@ -203,6 +240,66 @@ def _tail_traceback(text: str, lines: int = 25) -> str:
     return "\n".join(body.rstrip().splitlines()[-lines:])
 
 
+_FRAME = re.compile(
+    r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)', re.MULTILINE
+)
+_FAULTHANDLER_DUMP = "Fatal Python error: Aborted"
+
+
+def _dump_python_stacks(proc: subprocess.Popen, script: pathlib.Path, wait_s: float = 5.0) -> None:
+    # Every rank runs with PYTHONFAULTHANDLER=1, so SIGABRT makes it print the
+    # Python stack of each of its threads to stderr (its log) before it dies:
+    # the stack of a hung job at the moment it was stopped, at no cost while
+    # the job runs.
+    try:
+        root = psutil.Process(proc.pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    ranks = []
+    for p in procs:
+        try:
+            cmdline = p.cmdline()
+        except psutil.Error:
+            continue
+        if str(script.resolve()) in cmdline and "ddp_course.launch" not in cmdline:
+            ranks.append(p)
+    for p in ranks:
+        try:
+            p.send_signal(signal.SIGABRT)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(ranks, timeout=wait_s)
+
+
+def _where_stuck(logs: dict[int, str], script: pathlib.Path) -> str:
+    """One line per rank: the script line and the innermost Python function it was
+    in when faulthandler dumped its stack, or '' when no rank dumped one."""
+    lines = []
+    for rank, text in sorted(logs.items()):
+        start = text.rfind(_FAULTHANDLER_DUMP)
+        if start < 0:
+            continue
+        frames = list(_FRAME.finditer(_RANK_PREFIX.sub("", text[start:])))
+        if not frames:
+            continue
+        innermost = frames[0]  # faulthandler lists the most recent call first
+        mine = next((f for f in frames if pathlib.Path(f["file"]).name == script.name), None)
+        where = (
+            f"in {innermost['func']} ({pathlib.Path(innermost['file']).name}:{innermost['line']})"
+        )
+        if mine is not None and mine is not innermost:
+            code = linecache.getline(mine["file"], int(mine["line"])).strip()
+            where += f", called from {script.name}:{mine['line']}: {code}"
+        lines.append(f"  rank {rank}: {where}")
+    if not lines:
+        return ""
+    return (
+        "\nWhere each rank was when it was stopped (its Python stack, by faulthandler):\n"
+        + "\n".join(lines)
+    )
+
+
 def _kill_job(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
     # torchrun starts each worker in a session of its own, so killing
     # torchrun's process group does not reach them: list the whole tree
@@ -255,6 +352,11 @@ def _wait(
                 )
 
 
+def _no_core_files() -> None:
+    # A rank aborted for its stack dump must not leave a core file behind.
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
 def _check_script(script: str | os.PathLike) -> pathlib.Path:
     path = pathlib.Path(script)
     if not path.exists():
@@ -278,7 +380,8 @@ def _run_job(
     ``shown`` is the command as a learner would type it, printed first so a
     cell that echoes nothing still says what it is waiting for.
     """
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
+    # PYTHONFAULTHANDLER: a rank stopped with SIGABRT prints its Python stack.
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **env}
     print(f"$ {shown}", flush=True)
     start = time.perf_counter()
     proc = subprocess.Popen(
@@ -289,6 +392,7 @@ def _run_job(
         text=True,
         errors="replace",
         start_new_session=True,  # a group of its own to signal
+        preexec_fn=_no_core_files,
     )
     lines: list[str] = []
 
@@ -314,13 +418,16 @@ def _run_job(
     try:
         returncode = _wait(proc, script.name, start, timeout_s, heartbeat=not echo)
     except subprocess.TimeoutExpired:
+        _dump_python_stacks(proc, script)
         _kill_job(proc)
         reader.join(timeout=5)
+        logs = rank_logs() if logs_path else {0: "".join(lines)}
         raise LaunchTimeout(
             f"{script.name} ran past its {timeout_s:g} s timeout with {nproc} "
             "rank(s); every process of the job was killed. A hang usually means "
-            "the ranks called different collectives or different numbers of them.",
-            None, -signal.SIGKILL, rank_logs(),
+            "the ranks called different collectives or different numbers of them."
+            + _where_stuck(logs, script),
+            None, -signal.SIGKILL, logs,
         ) from None  # fmt: skip
     finally:
         if proc.poll() is None:

@@ -50,12 +50,24 @@ def test_failure_names_the_failing_rank_and_leaves_nothing_behind(workers):
 
 def test_timeout_kills_every_rank(workers):
     start = time.perf_counter()
-    with pytest.raises(launch.LaunchTimeout, match="timeout"):
-        launch.torchrun(workers / "fail_or_hang.py", ["--hang"], nproc=2, timeout_s=8,
+    with pytest.raises(launch.LaunchTimeout, match="timeout") as caught:
+        # 20 s: both ranks must have imported torch and met before the timeout.
+        launch.torchrun(workers / "fail_or_hang.py", ["--hang"], nproc=2, timeout_s=20,
                         echo=False)  # fmt: skip
-    assert time.perf_counter() - start < 8 + 30
+    assert time.perf_counter() - start < 20 + 30
     time.sleep(0.5)
     assert _alive("fail_or_hang.py") == []
+    # Each rank's Python stack at the moment it was stopped names its collective.
+    message = str(caught.value)
+    assert re.search(r"rank 0: in all_reduce .*fail_or_hang.py:\d+: dist.all_reduce", message)
+    assert re.search(r"rank 1: in recv .*fail_or_hang.py:\d+: dist.recv", message)
+
+
+def test_free_port_is_outside_the_ephemeral_range():
+    # A client's retries draw source ports from the ephemeral range; a store
+    # port there can be drawn too, and the client then connects to itself.
+    ports = {launch.free_port() for _ in range(20)}
+    assert not ports & set(launch._ephemeral_ports()), ports
 
 
 def test_missing_script_is_a_clear_error(tmp_path):
