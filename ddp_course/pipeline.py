@@ -65,6 +65,7 @@ __all__ = [
     "schedule",
     "simulate",
     "split_microbatches",
+    "split_model",
 ]
 
 SCHEDULES = ("naive", "gpipe", "1f1b")
@@ -508,6 +509,40 @@ def split_microbatches(batch: torch.Tensor, microbatches: int) -> list[torch.Ten
             f"use 1 <= microbatches <= {len(batch)}"
         )
     return list(torch.tensor_split(batch, microbatches))
+
+
+def split_model(model: nn.Sequential, stages: int, index: int) -> nn.Sequential:
+    """Stage ``index`` of ``stages``: a contiguous slice of ``model``'s layers (shared, not copied).
+
+    The layers are cut as evenly as their count allows (stage k gets layers
+    ``round(k n / p)`` to ``round((k+1) n / p)``), so every stage has at least
+    one layer.
+
+    Args:
+        model: the whole model as an ``nn.Sequential`` of n layers.
+        stages: number of stages p (= pipeline ranks), 1 <= p <= n.
+        index: this stage, 0 <= index < p (usually the rank).
+
+    Returns:
+        An ``nn.Sequential`` of this stage's layers, the same module objects
+        as in ``model``.
+
+    Raises:
+        ValueError: p < 1, more stages than layers (a stage would be empty:
+            use fewer ranks or a deeper model), or ``index`` out of range.
+    """
+    n = len(model)
+    if stages < 1:
+        raise ValueError(f"a pipeline needs at least 1 stage, got stages={stages}")
+    if stages > n:
+        raise ValueError(
+            f"cannot split a model of {n} layers into {stages} stages: a stage would be "
+            f"empty; run at most {n} ranks or give the model more layers"
+        )
+    if not 0 <= index < stages:
+        raise ValueError(f"stage index must be in [0, {stages}), got {index}")
+    bounds = [round(k * n / stages) for k in range(stages + 1)]
+    return nn.Sequential(*list(model)[bounds[index] : bounds[index + 1]])
 
 
 @dataclasses.dataclass

@@ -289,3 +289,18 @@ def test_our_executor_equals_torch_distributed_pipelining(workers):
         # The worker asserted equal gradients on every stage (assert_close).
         assert all(rank["grad_diff"] < 1e-5 for rank in ranks), name
         assert ranks[-1]["loss_gap"] < 1e-5, name
+
+
+def test_split_model_into_stages_and_refuse_more_stages_than_layers():
+    model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(5)])
+    sizes = [len(pipeline.split_model(model, 3, k)) for k in range(3)]
+    assert sizes == [2, 1, 2]  # round(5k/3): 0, 2, 3, 5
+    stages = [pipeline.split_model(model, 3, k) for k in range(3)]
+    assert [m for s in stages for m in s] == list(model)  # every layer once, in order
+    assert pipeline.split_model(model, 1, 0)[4] is model[4]  # shared, not copied
+    with pytest.raises(ValueError, match="5 layers into 6 stages.*at most 5 ranks"):
+        pipeline.split_model(model, 6, 0)
+    with pytest.raises(ValueError, match=r"index must be in \[0, 3\)"):
+        pipeline.split_model(model, 3, 3)
+    with pytest.raises(ValueError, match="at least 1 stage"):
+        pipeline.split_model(model, 0, 0)
