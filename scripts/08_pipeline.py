@@ -1,0 +1,165 @@
+"""Pipeline parallelism: one training step of a layer stack split over ranks, timed.
+
+Run from the repository root:
+    python scripts/08_pipeline.py
+    torchrun --nproc_per_node=2 scripts/08_pipeline.py --schedule gpipe 1f1b --microbatches 2 4
+    torchrun --nproc_per_node=2 scripts/08_pipeline.py --stage-cost-s 0 --microbatches 1 4
+    python scripts/08_pipeline.py --sweep --results benchmarks/cpu-2core/08_bubble.json
+
+Rank k runs stage k, the k-th contiguous slice of a LayerStack, so there are as
+many stages as ranks. For every schedule and number of micro-batches m the
+script runs one pipelined step (ddp_course.pipeline.run_schedule: activations
+forward and gradients backward with point-to-point operations, micro-batch
+gradients accumulated) and asserts that each stage's gradients equal those of
+the whole model on the whole batch in one process. It records every action's
+start and end, the idle fraction (bubble) of each rank against GPipe's
+(p-1)/(m+p-1), the activations each rank held at once and the bytes it sent.
+
+--stage-cost-s S makes every forward sleep S seconds and every backward 2S (a
+stand-in for a long GPU kernel, so that shared CPU cores do not distort the
+bubble); --stage-cost-s 0 times the real computation instead. --sweep (plain
+python only) launches the script itself with torchrun for 2, 3 and 4 ranks,
+m in 1, 2, 4, 8, plus a real-compute run on 2 ranks, and writes all of it to
+--results (minutes).
+"""
+
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+from torch.nn.functional import cross_entropy
+
+from ddp_course import launch, pipeline
+from ddp_course.models import LayerStack
+from ddp_course.runtime import distributed, get_logger
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--schedule", nargs="+", choices=pipeline.SCHEDULES,
+                   default=list(pipeline.SCHEDULES), help="schedules to run")  # fmt: skip
+    p.add_argument("--microbatches", type=int, nargs="+", default=[4],
+                   help="numbers of micro-batches m (1F1B only where m >= stages)")  # fmt: skip
+    p.add_argument("--stage-cost-s", type=float, default=0.05,
+                   help="seconds each forward sleeps (backward 2x); 0: compute only")  # fmt: skip
+    p.add_argument("--batch-size", type=int, default=32, help="samples per step (all stages)")
+    p.add_argument("--width", type=int, default=64, help="features between the layers")
+    p.add_argument("--layers", type=int, default=4, help="hidden layers of the layer stack")
+    p.add_argument("--sweep", action="store_true", help="the p x m grid in one JSON (minutes)")
+    p.add_argument("--sweep-stages", type=int, nargs="+", default=[2, 3, 4])
+    p.add_argument("--results", help="write the measurements here as JSON (rank 0)")
+    return p.parse_args()
+
+
+def whole_model(args):
+    torch.manual_seed(0)  # the same weights on every rank
+    return LayerStack(in_features=784, width=args.width, num_layers=args.layers)
+
+
+def whole_batch(args):
+    gen = torch.Generator().manual_seed(1)  # the same batch on every rank
+    x = torch.randn(args.batch_size, 784, generator=gen)
+    return x, torch.randint(0, 10, (args.batch_size,), generator=gen)
+
+
+def reference_grads(args, ctx, x, y):
+    """One process, whole model, whole batch: the gradients of this rank's layers."""
+    model = whole_model(args).to(ctx.device)
+    loss = cross_entropy(model(x.to(ctx.device)), y.to(ctx.device))
+    loss.backward()
+    mine = pipeline.split_model(model, ctx.world_size, ctx.rank)
+    return [q.grad for q in mine.parameters()], loss.item()
+
+
+def gather(obj, world_size):
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, obj)
+    return everyone
+
+
+def one_step(args, ctx, name, m, x, y, ref):
+    """One pipelined step with schedule ``name`` and m micro-batches; what every rank saw."""
+    p, k = ctx.world_size, ctx.rank
+    stage = pipeline.split_model(whole_model(args), p, k).to(ctx.device)
+    result = pipeline.run_schedule(
+        pipeline.schedule(name, p, m), stage, k,
+        inputs=pipeline.split_microbatches(x, m), targets=pipeline.split_microbatches(y, m),
+        loss_fn=cross_entropy,
+        forward_sleep_s=args.stage_cost_s, backward_sleep_s=2 * args.stage_cost_s,
+    )  # fmt: skip
+    ref_grads, ref_loss = ref
+    for q, g in zip(stage.parameters(), ref_grads):
+        torch.testing.assert_close(q.grad, g, rtol=1e-5, atol=1e-6)  # NEW: equal to one process
+    diff = max((q.grad - g).abs().max().item() for q, g in zip(stage.parameters(), ref_grads))
+    timeline = pipeline.gather_timeline(result).relative()
+    ranks = gather((result.peak_in_flight, result.bytes_sent, diff), p)
+    loss = gather(result.loss, p)[-1]
+    return {
+        "schedule": name, "microbatches": m,
+        "bubbles": timeline.bubbles(),
+        "formula": pipeline.gpipe_bubble(p, 1 if name == "naive" else m),
+        "makespan_s": timeline.makespan,
+        "peak_in_flight": [r[0] for r in ranks],
+        "bytes_sent": [r[1] for r in ranks],
+        "grad_diff": max(r[2] for r in ranks),
+        "loss": loss, "loss_gap": abs(loss - ref_loss),
+        "timeline": timeline.to_records(),
+    }  # fmt: skip
+
+
+def main_run(args):
+    with distributed(group_of_one=True) as ctx:
+        log = get_logger(ctx)
+        x, y = whole_batch(args)
+        ref = reference_grads(args, ctx, x, y)
+        one_step(args, ctx, "gpipe", 1, x, y, ref)  # warm-up: first messages open connections
+        runs = []
+        for name in args.schedule:
+            for m in args.microbatches:
+                if name == "1f1b" and m < ctx.world_size:
+                    continue  # 1F1B needs m >= stages (the schedule says why)
+                run = one_step(args, ctx, name, m, x, y, ref)
+                runs.append(run)
+                log.info(f"{name:5s} p={ctx.world_size} m={m}: bubble per rank "
+                         + " ".join(f"{b:.2f}" for b in run["bubbles"])
+                         + f" (formula {run['formula']:.2f}), activations held "
+                         f"{run['peak_in_flight']}, |grad - one process| <= "
+                         f"{run['grad_diff']:.1e}")  # fmt: skip
+        if ctx.is_main and args.results:
+            with open(args.results, "w") as f:
+                json.dump({"world_size": ctx.world_size, "device": str(ctx.device),
+                           "stage_cost_s": args.stage_cost_s, "batch_size": args.batch_size,
+                           "width": args.width, "layers": args.layers,
+                           "torch": torch.__version__, "runs": runs}, f)  # fmt: skip
+
+
+def sweep(args):
+    """Launch this script for every number of stages; one JSON with every run."""
+    if "WORLD_SIZE" in os.environ:
+        raise SystemExit("--sweep launches torchrun itself: run it with plain python")
+    common = ["--batch-size", str(args.batch_size), "--width", str(args.width),
+              "--layers", str(args.layers)]  # fmt: skip
+    jobs = [(p, args.stage_cost_s, ["--microbatches", "1", "2", "4", "8"])
+            for p in args.sweep_stages]  # fmt: skip
+    jobs.append((2, 0.0, ["--microbatches", "1", "2", "4", "8"]))  # real compute, 2 stages
+    out = {"torch": torch.__version__, "load_average_1min": os.getloadavg()[0], "jobs": []}
+    for p, cost, extra in jobs:
+        job = launch.torchrun(__file__, [*common, *extra, "--stage-cost-s", str(cost)],
+                              nproc=p, results=True, echo=False, timeout_s=600)  # fmt: skip
+        out["jobs"].append(job.results)
+    out["load_average_1min_end"] = os.getloadavg()[0]
+    with open(args.results, "w") as f:
+        json.dump(out, f)
+    print(f"wrote {len(out['jobs'])} jobs to {os.path.relpath(args.results)}")
+
+
+if __name__ == "__main__":
+    arguments = parse_args()
+    if arguments.sweep:
+        if not arguments.results:
+            raise SystemExit("--sweep needs --results PATH")
+        sweep(arguments)
+    else:
+        main_run(arguments)
