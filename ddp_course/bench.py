@@ -20,10 +20,18 @@ iterations after warm-up, with the interquartile range as the spread
 
 from __future__ import annotations
 
+import csv
 import dataclasses
+import datetime
+import json
+import os
+import pathlib
+import platform
+import shlex
 import statistics
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -33,19 +41,27 @@ from .runtime import DistContext, barrier
 
 __all__ = [
     "BUSBW_FACTORS",
+    "COLLECTIVES",
     "AlphaBeta",
     "Timing",
     "algbw",
     "busbw",
     "busbw_factor",
+    "busbw_plateau",
     "fit_alpha_beta",
+    "fit_each",
     "format_bytes",
     "message_sizes",
     "parameter_server_time",
+    "predicted_busbw",
+    "read_records",
     "ring_all_reduce_time",
+    "run_metadata",
     "scaling_efficiency",
+    "slowest_rank",
     "summarize",
     "time_op",
+    "write_records",
 ]
 
 GB = 1e9
@@ -348,3 +364,209 @@ def format_bytes(nbytes: float) -> str:
             value = nbytes / scale
             return f"{value:.0f} {unit}" if value == int(value) else f"{value:.1f} {unit}"
     return f"{nbytes:.0f} B"
+
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
+"""The collectives the lesson sweeps, in nccl-tests' order of size conventions."""
+
+
+def slowest_rank(times_by_rank: Sequence[Sequence[float]]) -> list[float]:
+    """Per iteration, the time of the slowest rank, in seconds.
+
+    A collective is finished only when every rank has finished it, so an
+    iteration lasts as long as its slowest rank (what :func:`time_op` gets
+    with one ``all_reduce(MAX)``). Taking the median of one rank's own
+    times instead would hide a straggler.
+
+    Args:
+        times_by_rank: ``[world_size][iterations]`` seconds, e.g. gathered
+            from every rank.
+
+    Returns:
+        ``iterations`` seconds, the maximum over ranks of each iteration.
+
+    Raises:
+        ValueError: no ranks, or ranks with different numbers of iterations.
+    """
+    if len(times_by_rank) == 0:
+        raise ValueError("no ranks' timings given")
+    lengths = {len(t) for t in times_by_rank}
+    if len(lengths) != 1:
+        raise ValueError(f"every rank must time the same iterations, got lengths {sorted(lengths)}")
+    return [max(column) for column in zip(*times_by_rank, strict=True)]
+
+
+def predicted_busbw(
+    fit: AlphaBeta, nbytes: float | np.ndarray, collective: str, world_size: int
+) -> float | np.ndarray:
+    """busbw in bytes/s that the alpha-beta fit predicts at size ``nbytes``.
+
+    ``S / (alpha + beta S) * factor`` (nccl-tests' busbw of the modelled
+    time): it grows with S and tends to :func:`busbw_plateau`; it is half
+    the plateau at ``S = alpha / beta``.
+
+    Raises:
+        ValueError: as :func:`busbw_factor`.
+    """
+    s = np.asarray(nbytes, dtype=float)
+    return s / fit.predict(s) * busbw_factor(collective, world_size)
+
+
+def busbw_plateau(fit: AlphaBeta, collective: str, world_size: int) -> float:
+    """The busbw in bytes/s that large messages approach: ``factor / beta``.
+
+    For S much larger than ``alpha / beta`` the time is ``beta S`` and
+    algbw tends to ``1 / beta``; busbw scales it by the collective's factor
+    (nccl-tests PERFORMANCE.md).
+
+    Raises:
+        ValueError: as :func:`busbw_factor`.
+    """
+    return fit.bandwidth * busbw_factor(collective, world_size)
+
+
+def fit_each(
+    rows: Iterable[Mapping[str, object]],
+    key: str = "collective",
+    size: str = "bytes",
+    seconds: str = "median_s",
+    min_bytes: float = 0,
+) -> dict[str, AlphaBeta]:
+    """One alpha-beta fit (:func:`fit_alpha_beta`, relative errors) per value of ``key``.
+
+    Args:
+        rows: records such as :func:`write_records` stores, each with the
+            fields named by ``key``, ``size`` (bytes) and ``seconds``.
+        key: the field that names the curve (e.g. the collective).
+        size: the field with the message size S in bytes.
+        seconds: the field with the time in seconds.
+        min_bytes: ignore smaller messages (e.g. below a transport switch).
+
+    Returns:
+        ``{curve: AlphaBeta}`` in order of first appearance.
+
+    Raises:
+        ValueError: a curve has fewer than two distinct sizes, or a row
+            lacks a field.
+    """
+    points: dict[str, tuple[list[float], list[float]]] = {}
+    for row in rows:
+        for field in (key, size, seconds):
+            if field not in row:
+                raise ValueError(f"a row has no field {field!r}: {dict(row)}")
+        if float(row[size]) < min_bytes:
+            continue
+        xs, ts = points.setdefault(str(row[key]), ([], []))
+        xs.append(float(row[size]))
+        ts.append(float(row[seconds]))
+    return {name: fit_alpha_beta(xs, ts) for name, (xs, ts) in points.items()}
+
+
+def run_metadata(command: Sequence[str] | None = None) -> dict[str, object]:
+    """What a result needs to be compared and re-measured: machine, versions, load, command.
+
+    Args:
+        command: the command line; default ``sys.argv`` (with ``python`` in
+            front), paths shown relative to the current folder when inside it.
+
+    Returns:
+        JSON-ready dict: ``machine`` (architecture, processor count, OS),
+        ``python``, ``torch``, ``numpy``, ``cuda`` (None on CPU), ``gpu``
+        (name or None), ``load_average_1min`` (None where the OS has none),
+        ``threads_per_rank`` (``torch.get_num_threads()``),
+        ``omp_num_threads`` (the variable, or None), ``command`` and
+        ``utc`` (ISO 8601 seconds).
+    """
+    if command is None:
+        command = ["python", *sys.argv]
+    cwd = pathlib.Path.cwd()
+    shown = []
+    for part in command:
+        path = pathlib.Path(part)
+        if path.is_absolute() and path.is_relative_to(cwd):
+            part = str(path.relative_to(cwd))
+        shown.append(part)
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        load = None
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return {
+        "machine": {"arch": platform.machine(), "cpus": os.cpu_count(), "os": platform.system()},
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "cuda": torch.version.cuda if torch.cuda.is_available() else None,
+        "gpu": gpu,
+        "load_average_1min": load,
+        "threads_per_rank": torch.get_num_threads(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "command": shlex.join(shown),
+        "utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def write_records(
+    path: str | os.PathLike,
+    rows: Sequence[Mapping[str, object]],
+    meta: Mapping[str, object],
+    **extra: object,
+) -> tuple[pathlib.Path, pathlib.Path]:
+    """Write ``rows`` as ``<path>.json`` (with ``meta`` and ``extra``) and ``<path>.csv``.
+
+    The JSON file is ``{"meta": meta, "rows": rows, **extra}``; the CSV has
+    one line per row, the union of the rows' keys as columns (in order of
+    first appearance), and the metadata's ``command`` and
+    ``load_average_1min`` in every line, so a spreadsheet keeps them too.
+
+    Args:
+        path: file name with or without suffix; ``.json`` and ``.csv``
+            are written next to each other (folders are created).
+        rows: flat records (numbers and strings).
+        meta: from :func:`run_metadata`.
+        **extra: more JSON values (fits, ratios) for the JSON file.
+
+    Returns:
+        The two paths written.
+
+    Raises:
+        ValueError: ``rows`` is empty or a row holds a list or dict.
+    """
+    if not rows:
+        raise ValueError("no rows to write")
+    base = pathlib.Path(path)
+    if base.suffix in (".json", ".csv"):
+        base = base.with_suffix("")
+    base.parent.mkdir(parents=True, exist_ok=True)
+    columns: list[str] = []
+    for row in rows:
+        for k, v in row.items():
+            if isinstance(v, (list, dict)):
+                raise ValueError(f"row field {k!r} is not flat: {v!r}")
+            if k not in columns:
+                columns.append(k)
+    json_path, csv_path = base.with_name(base.name + ".json"), base.with_name(base.name + ".csv")
+    record = {"meta": dict(meta), "rows": [dict(r) for r in rows], **extra}
+    json_path.write_text(json.dumps(record, indent=1) + "\n")
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=[*columns, "command", "load_average_1min"])
+        writer.writeheader()
+        for row in rows:
+            load = meta.get("load_average_1min")
+            writer.writerow({**row, "command": meta.get("command"), "load_average_1min": load})
+    return json_path, csv_path
+
+
+def read_records(path: str | os.PathLike) -> dict[str, object]:
+    """Read what :func:`write_records` wrote (the ``.json`` file).
+
+    Raises:
+        FileNotFoundError: no such file; run the benchmark command that
+            makes it (benchmarks/README.md lists them).
+    """
+    p = pathlib.Path(path)
+    if p.suffix != ".json":
+        p = p.with_name(p.name + ".json")
+    if not p.exists():
+        raise FileNotFoundError(f"{p} not found: run the command benchmarks/README.md gives for it")
+    return json.loads(p.read_text())

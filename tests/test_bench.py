@@ -1,26 +1,38 @@
 """ddp_course.bench: the pure functions (busbw factors, alpha-beta fit, summaries), and
 scripts/04_allreduce.py with a tiny sweep."""
 
+import csv
+import json
 import math
+import os
 import time
 
 import numpy as np
 import pytest
+import torch
 
 from ddp_course import launch
 from ddp_course.bench import (
+    COLLECTIVES,
     AlphaBeta,
     algbw,
     busbw,
     busbw_factor,
+    busbw_plateau,
     fit_alpha_beta,
+    fit_each,
     format_bytes,
     message_sizes,
     parameter_server_time,
+    predicted_busbw,
+    read_records,
     ring_all_reduce_time,
+    run_metadata,
     scaling_efficiency,
+    slowest_rank,
     summarize,
     time_op,
+    write_records,
 )
 from ddp_course.runtime import DistContext
 
@@ -177,3 +189,77 @@ def test_script_04_as_one_process_checks_but_does_not_sweep(root):
     job = launch.python(root / "scripts/04_allreduce.py", results=True, echo=False)
     assert job.results["world_size"] == 1 and "sweep" not in job.results
     assert job.results["checks"]["ring"] == [[0, 0, 0]]
+
+
+def test_slowest_rank_takes_the_maximum_per_iteration():
+    # Rank 1 straggles in iteration 0, rank 0 in iteration 2: each iteration is its slowest.
+    assert slowest_rank([[0.1, 0.2, 0.9], [0.5, 0.2, 0.3]]) == [0.5, 0.2, 0.9]
+    assert summarize(slowest_rank([[1.0, 1.0, 1.0], [3.0, 1.0, 1.0]])).median == 1.0
+    with pytest.raises(ValueError, match="same iterations"):
+        slowest_rank([[1.0], [1.0, 2.0]])
+    with pytest.raises(ValueError, match="no ranks"):
+        slowest_rank([])
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_every_collective_fit_gives_its_busbw_plateau(n):
+    # Synthetic sweeps with known latency and algbw per collective, as the benchmark records them.
+    truth = {"all_reduce": (300e-6, 1.0e9), "all_gather": (200e-6, 2.0e9),
+             "reduce_scatter": (250e-6, 1.5e9), "broadcast": (100e-6, 3.0e9),
+             "all_to_all": (400e-6, 0.5e9)}  # fmt: skip
+    assert set(truth) == set(COLLECTIVES)
+    sizes = message_sizes(4096, 64 * 2**20)
+    rows = [{"collective": c, "bytes": s, "median_s": a + s / bw}
+            for c, (a, bw) in truth.items() for s in sizes]  # fmt: skip
+    fits = fit_each(rows)
+    assert list(fits) == list(truth)
+    for c, (a, bw) in truth.items():
+        assert fits[c].alpha == pytest.approx(a, rel=1e-6)
+        assert fits[c].bandwidth == pytest.approx(bw, rel=1e-6)
+        plateau = busbw_plateau(fits[c], c, n)
+        assert plateau == pytest.approx(bw * busbw_factor(c, n))
+        bus = predicted_busbw(fits[c], np.array(sizes, dtype=float), c, n)
+        measured = [busbw(s, a + s / bw, c, n) for s in sizes]
+        assert np.allclose(bus, measured)
+        assert np.all(np.diff(bus) > 0) and bus[-1] < plateau  # rises towards the plateau
+        half = fits[c].half_bandwidth_bytes
+        assert predicted_busbw(fits[c], half, c, n) == pytest.approx(plateau / 2)
+    # min_bytes leaves the small sizes out of the fit.
+    bent = [dict(r, median_s=1.0) if r["bytes"] < 16384 else r for r in rows]
+    assert fit_each(bent, min_bytes=16384)["all_reduce"].alpha == pytest.approx(300e-6)
+    with pytest.raises(ValueError, match="no field"):
+        fit_each([{"bytes": 1, "median_s": 1.0}])
+
+
+def test_run_metadata_names_machine_versions_load_and_command(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    meta = run_metadata(["python", str(tmp_path / "scripts/x.py"), "--mode", "tiny"])
+    assert meta["command"] == "python scripts/x.py --mode tiny"  # relative: no machine paths
+    assert meta["torch"] == torch.__version__ and meta["machine"]["cpus"] == os.cpu_count()
+    assert meta["load_average_1min"] == pytest.approx(os.getloadavg()[0], abs=2.0)
+    assert meta["threads_per_rank"] == torch.get_num_threads()
+    json.dumps(meta)  # JSON-ready
+
+
+def test_write_records_json_and_csv_round_trip(tmp_path):
+    meta = {"command": "python scripts/x.py", "load_average_1min": 1.5, "torch": "2.x"}
+    rows = [
+        {"collective": "all_reduce", "bytes": 4096, "median_s": 1e-3},
+        {"collective": "broadcast", "bytes": 8192, "median_s": 2e-3, "iqr_s": 1e-4},
+    ]
+    json_path, csv_path = write_records(tmp_path / "out/10_x.json", rows, meta, fits={"a": 1})
+    assert (json_path.name, csv_path.name) == ("10_x.json", "10_x.csv")
+    back = read_records(tmp_path / "out/10_x")
+    assert back == {"meta": meta, "rows": rows, "fits": {"a": 1}}
+    with open(csv_path, newline="") as f:
+        lines = list(csv.DictReader(f))
+    assert [float(r["median_s"]) for r in lines] == [1e-3, 2e-3]
+    assert lines[0]["iqr_s"] == "" and lines[1]["iqr_s"] == "0.0001"
+    assert {r["command"] for r in lines} == {"python scripts/x.py"}
+    assert {r["load_average_1min"] for r in lines} == {"1.5"}
+    with pytest.raises(ValueError, match="flat"):
+        write_records(tmp_path / "y", [{"times": [1, 2]}], meta)
+    with pytest.raises(ValueError, match="no rows"):
+        write_records(tmp_path / "y", [], meta)
+    with pytest.raises(FileNotFoundError, match="benchmarks/README.md"):
+        read_records(tmp_path / "missing.json")

@@ -1,0 +1,238 @@
+"""Does it scale? Speed-up, efficiency, Amdahl's and Gustafson's laws, a DDP step-time model.
+
+- Strong scaling: a fixed global batch split over N ranks; speed-up
+  ``S(N) = t(1) / t(N)`` (times of one step), efficiency ``S(N) / N``.
+- Weak scaling: a fixed batch per rank; efficiency ``thr(N) / (N thr(1))``
+  with throughputs in samples/s (:func:`ddp_course.bench.scaling_efficiency`).
+- Amdahl (1967): with a serial fraction ``s`` of one process's time,
+  ``S(N) = 1 / (s + (1 - s) / N)``, at most ``1 / s`` however large N.
+- Gustafson (1988): when the work grows with N (weak scaling), the scaled
+  speed-up is ``S(N) = N - s (N - 1)``, linear in N.
+- Step time of DDP: ``t_step = t_forward + t_backward + exposed communication
+  + t_optimizer``. Buckets are all-reduced in order while backward runs (Li
+  et al., "PyTorch Distributed", VLDB 2020, section 3.2.3); only the part
+  of their all-reduce that outlasts backward is exposed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from .bench import AlphaBeta
+
+__all__ = [
+    "StepTimeModel",
+    "amdahl_speedup",
+    "efficiency_table",
+    "exposed_comm",
+    "fit_amdahl",
+    "fit_gustafson",
+    "gustafson_speedup",
+]
+
+
+def _check_n(world_sizes: np.ndarray) -> None:
+    if world_sizes.ndim != 1 or len(world_sizes) == 0 or np.any(world_sizes < 1):
+        raise ValueError(f"world sizes must be a non-empty list of N >= 1, got {world_sizes}")
+
+
+def amdahl_speedup(serial_fraction: float, world_size: float | np.ndarray) -> float | np.ndarray:
+    """Amdahl's law: ``1 / (s + (1 - s) / N)`` (Amdahl, AFIPS 1967).
+
+    Args:
+        serial_fraction: s in [0, 1], the part of one process's time that
+            does not parallelise (communication counts here too).
+        world_size: N ranks (scalar or array).
+
+    Raises:
+        ValueError: s outside [0, 1].
+    """
+    if not 0 <= serial_fraction <= 1:
+        raise ValueError(f"serial fraction must be in [0, 1], not {serial_fraction}")
+    n = np.asarray(world_size, dtype=float)
+    return 1.0 / (serial_fraction + (1 - serial_fraction) / n)
+
+
+def gustafson_speedup(serial_fraction: float, world_size: float | np.ndarray) -> float | np.ndarray:
+    """Gustafson's law: scaled speed-up ``N - s (N - 1)`` (Gustafson, CACM 1988).
+
+    Raises:
+        ValueError: s outside [0, 1].
+    """
+    if not 0 <= serial_fraction <= 1:
+        raise ValueError(f"serial fraction must be in [0, 1], not {serial_fraction}")
+    n = np.asarray(world_size, dtype=float)
+    return n - serial_fraction * (n - 1)
+
+
+def fit_amdahl(world_sizes: Sequence[float], speedups: Sequence[float]) -> float:
+    """Serial fraction s that fits measured strong-scaling speed-ups best.
+
+    Amdahl's law rearranged is linear in s: ``1/S - 1/N = s (1 - 1/N)``;
+    least squares through the origin over the points with N > 1.
+
+    Args:
+        world_sizes: N of each point (N = 1 points carry no information).
+        speedups: ``t(1) / t(N)`` of each point, > 0.
+
+    Returns:
+        s, clipped to [0, 1] (a speed-up above N, from noise, gives 0).
+
+    Raises:
+        ValueError: lengths differ, no point with N > 1, or a speed-up <= 0.
+    """
+    n = np.asarray(world_sizes, dtype=float)
+    sp = np.asarray(speedups, dtype=float)
+    _check_n(n)
+    if n.shape != sp.shape or np.any(sp <= 0):
+        raise ValueError("need one positive speed-up per world size")
+    keep = n > 1
+    if not keep.any():
+        raise ValueError("need a point with more than one rank to fit Amdahl's law")
+    x = 1 - 1 / n[keep]
+    y = 1 / sp[keep] - 1 / n[keep]
+    return float(np.clip(x @ y / (x @ x), 0.0, 1.0))
+
+
+def fit_gustafson(world_sizes: Sequence[float], scaled_speedups: Sequence[float]) -> float:
+    """Serial fraction s that fits measured weak-scaling (scaled) speed-ups best.
+
+    ``N - S = s (N - 1)``, least squares through the origin over N > 1. The
+    scaled speed-up is ``N * efficiency`` = ``thr(N) / thr(1)``.
+
+    Returns:
+        s, clipped to [0, 1].
+
+    Raises:
+        ValueError: as :func:`fit_amdahl`.
+    """
+    n = np.asarray(world_sizes, dtype=float)
+    sp = np.asarray(scaled_speedups, dtype=float)
+    _check_n(n)
+    if n.shape != sp.shape or np.any(sp <= 0):
+        raise ValueError("need one positive speed-up per world size")
+    keep = n > 1
+    if not keep.any():
+        raise ValueError("need a point with more than one rank to fit Gustafson's law")
+    x = n[keep] - 1
+    y = n[keep] - sp[keep]
+    return float(np.clip(x @ y / (x @ x), 0.0, 1.0))
+
+
+def efficiency_table(
+    world_sizes: Sequence[int], step_seconds: Sequence[float], kind: str, batch: int
+) -> list[dict[str, float]]:
+    """Throughput, speed-up and efficiency of each world size from median step times.
+
+    Args:
+        world_sizes: N of each run; must include 1 (the reference).
+        step_seconds: median step time of each run, seconds.
+        kind: ``"strong"``: ``batch`` is the global batch, split over the N
+            ranks; ``"weak"``: ``batch`` is per rank, the global batch is N
+            times it.
+        batch: samples (see ``kind``).
+
+    Returns:
+        One dict per run: ``world_size``, ``step_s``, ``samples_per_s``
+        (global batch / step time), ``speedup`` (strong: ``t(1)/t(N)``;
+        weak: ``thr(N)/thr(1)``, Gustafson's scaled speed-up) and
+        ``efficiency`` (speed-up / N).
+
+    Raises:
+        ValueError: unknown kind, no N = 1 run, lengths differ, or a time <= 0.
+    """
+    if kind not in ("strong", "weak"):
+        raise ValueError(f"kind must be 'strong' or 'weak', not {kind!r}")
+    n = np.asarray(world_sizes, dtype=float)
+    t = np.asarray(step_seconds, dtype=float)
+    _check_n(n)
+    if n.shape != t.shape or np.any(t <= 0):
+        raise ValueError("need one positive step time per world size")
+    if 1 not in n:
+        raise ValueError("need a run with one rank as the reference")
+    global_batch = batch * n if kind == "weak" else np.full_like(n, batch)
+    thr = global_batch / t
+    thr1 = thr[list(n).index(1)]
+    rows = []
+    for ni, ti, th in zip(n, t, thr, strict=True):
+        speedup = th / thr1
+        rows.append({"world_size": int(ni), "step_s": float(ti), "samples_per_s": float(th),
+                     "speedup": float(speedup), "efficiency": float(speedup / ni)})  # fmt: skip
+    return rows
+
+
+def exposed_comm(
+    bucket_bytes: Sequence[float],
+    ready_s: Sequence[float],
+    backward_s: float,
+    all_reduce: AlphaBeta,
+) -> float:
+    """Seconds of all-reduce left after backward ends, buckets reduced one after another.
+
+    Bucket i can start when its gradients are ready (``ready_s[i]``,
+    seconds after backward began) and when bucket i-1 is done (one
+    communication stream, as DDP's reducer launches them in order); it
+    takes ``all_reduce.predict(bucket_bytes[i])``. The exposed time is
+    ``max(0, end of the last bucket - backward_s)``.
+
+    Args:
+        bucket_bytes: size of each bucket, in launch order, bytes.
+        ready_s: when each bucket's last gradient is ready, seconds.
+        backward_s: duration of backward, seconds.
+        all_reduce: alpha-beta fit of the all-reduce time at this world size.
+
+    Raises:
+        ValueError: lengths differ.
+    """
+    if len(bucket_bytes) != len(ready_s):
+        raise ValueError(f"{len(bucket_bytes)} buckets but {len(ready_s)} ready times")
+    end = 0.0
+    for size, ready in zip(bucket_bytes, ready_s, strict=True):
+        end = max(end, ready) + float(all_reduce.predict(size))
+    return max(0.0, end - backward_s)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTimeModel:
+    """``t_step = t_forward + t_backward + exposed communication + t_optimizer``, seconds.
+
+    Compute times are measured on one rank without communication; the
+    communication comes from the alpha-beta fit of all_reduce at the world
+    size and from the bucket sizes. Without better knowledge, bucket i is
+    taken to be ready when backward has produced the gradients of buckets
+    0..i, in proportion to their bytes (backward runs roughly from the last
+    layer to the first, the order DDP fills buckets in).
+
+    Attributes:
+        forward_s, backward_s, optimizer_s: compute times of one step, seconds.
+    """
+
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+
+    def ready_times(self, bucket_bytes: Sequence[float]) -> list[float]:
+        """When each bucket is full, seconds into backward (proportional to bytes)."""
+        total = float(sum(bucket_bytes))
+        if total <= 0:
+            raise ValueError("buckets hold no bytes")
+        return list(self.backward_s * np.cumsum(bucket_bytes) / total)
+
+    def exposed(
+        self, bucket_bytes: Sequence[float], all_reduce: AlphaBeta, world_size: int
+    ) -> float:
+        """Exposed communication in seconds (0 for one rank, which communicates nothing)."""
+        if world_size == 1:
+            return 0.0
+        return exposed_comm(bucket_bytes, self.ready_times(bucket_bytes), self.backward_s,
+                            all_reduce)  # fmt: skip
+
+    def predict(
+        self, bucket_bytes: Sequence[float], all_reduce: AlphaBeta, world_size: int
+    ) -> float:
+        """Predicted step time in seconds."""
+        compute = self.forward_s + self.backward_s + self.optimizer_s
+        return compute + self.exposed(bucket_bytes, all_reduce, world_size)
