@@ -409,19 +409,36 @@ class Zero(nn.Module):
         return out
 
 
-def held_bytes(zero: Zero) -> StateBytes:
+def held_bytes(
+    model: Zero | nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> StateBytes:
     """Bytes of parameters, gradients and optimizer state this rank holds right now.
 
     Counted from the tensors themselves, each storage once (a shard that is a
-    view of the full parameter costs nothing more): the module's parameters
-    and their ``.grad``, the shards' ``.grad`` and every tensor in the
-    optimizer's state (Adam's ``step`` counters included).
+    view of the full parameter, or DDP's gradients viewed into its buckets,
+    cost nothing more): the module's parameters and their ``.grad``, a
+    :class:`Zero`'s shards and their ``.grad``, and every tensor in the
+    optimizer's state (Adam's ``step`` counters included). A DTensor (FSDP2,
+    ``torch.distributed.tensor``) counts its local shard only.
+
+    Args:
+        model: a :class:`Zero`, or any module (e.g. DDP's ``.module``).
+        optimizer: the optimizer stepping ``model``'s parameters; required
+            unless ``model`` is a :class:`Zero` (which has its own).
+
+    Returns:
+        A :class:`StateBytes` in bytes, this rank only.
+
+    Raises:
+        ValueError: ``optimizer`` missing for a plain module.
     """
     seen: set[int] = set()
 
     def nbytes(tensors: Any) -> int:
         total = 0
         for t in tensors:
+            if isinstance(t, torch.Tensor) and hasattr(t, "to_local"):
+                t = t.to_local()  # a DTensor: this rank's shard
             if isinstance(t, torch.Tensor) and t.numel() > 0:
                 storage = t.untyped_storage()
                 if storage.data_ptr() not in seen:
@@ -429,7 +446,13 @@ def held_bytes(zero: Zero) -> StateBytes:
                     total += storage.nbytes()
         return total
 
-    params = list(zero.module.parameters()) + [s.shard for s in zero._shards.values()]
+    if isinstance(model, Zero):
+        params = list(model.module.parameters()) + [s.shard for s in model._shards.values()]
+        optimizer = model.optimizer
+    elif optimizer is None:
+        raise ValueError("held_bytes(module) needs the module's optimizer: held_bytes(m, opt)")
+    else:
+        params = list(model.parameters())
     grads = [p.grad for p in params]
-    state = [t for st in zero.optimizer.state.values() for t in st.values()]
+    state = [t for st in optimizer.state.values() for t in st.values()]
     return StateBytes(float(nbytes(params)), float(nbytes(grads)), float(nbytes(state)))

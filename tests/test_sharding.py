@@ -7,7 +7,14 @@ import torch
 
 from ddp_course import launch
 from ddp_course.runtime import distributed
-from ddp_course.sharding import FP32_ADAM, MIXED_ADAM, Zero, shard_range, state_bytes_per_rank
+from ddp_course.sharding import (
+    FP32_ADAM,
+    MIXED_ADAM,
+    Zero,
+    held_bytes,
+    shard_range,
+    state_bytes_per_rank,
+)
 
 GB = 1e9
 
@@ -97,6 +104,21 @@ def test_one_rank_equals_plain_adam(stage):
         full = zero.full_parameters()
     for name, p in plain.named_parameters():
         torch.testing.assert_close(full[name], p.detach(), rtol=0, atol=0)
+
+
+def test_held_bytes_of_a_plain_model_is_ddps_16_bytes_per_parameter():
+    # What every DDP rank holds with fp32 Adam: 4 + 4 + 8 bytes a parameter, + step counters.
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    opt = torch.optim.Adam(model.parameters())
+    with pytest.raises(ValueError, match="needs the module's optimizer"):
+        held_bytes(model)
+    psi = sum(p.numel() for p in model.parameters())
+    assert held_bytes(model, opt).__dict__ == dict(params=4 * psi, grads=0, optimizer=0)
+    model(torch.randn(2, 6)).sum().backward()
+    opt.step()
+    held = held_bytes(model, opt)
+    assert (held.params, held.grads, held.optimizer) == (4 * psi, 4 * psi, 8 * psi + 4 * 4)
+    assert held.total == pytest.approx(state_bytes_per_rank(0, psi, 1, FP32_ADAM).total, rel=0.1)
 
 
 # ---- stages 1-3 on 2 and 3 gloo ranks (one job per world size checks everything) ----

@@ -1,0 +1,244 @@
+"""torch's sharding: ZeroRedundancyOptimizer and FSDP2 against DDP, and sharded checkpoints.
+
+Run from the repository root:
+    python scripts/09_fsdp.py
+    torchrun --nproc_per_node=2 scripts/09_fsdp.py --checkpoint build/09_ckpt
+    torchrun --nproc_per_node=3 scripts/09_fsdp.py --resume build/09_ckpt
+
+Every rank trains the same MLP with Adam on its slice of the same batches four
+ways, from the same start: torch's DDP (the reference), DDP with
+ZeroRedundancyOptimizer, and FSDP2 (fully_shard on each Linear and on the
+whole model, over a device mesh of every rank) with reshard_after_forward
+True and False. Losses and final parameters must equal DDP's (assert_close).
+Each rank reports the bytes of parameters, gradients and optimizer state it
+holds after a step (local shards only), the all-gathers one step makes and
+the full-parameter bytes alive between forward and backward; on GPU also
+torch.cuda.max_memory_allocated.
+
+--checkpoint DIR: after training, the FSDP2 model and its Adam state are
+gathered to rank 0 as a plain state dict (DIR/full.pt) and saved sharded with
+torch.distributed.checkpoint (DIR/sharded/, one file per rank).
+--resume DIR: a fresh FSDP2 model and optimizer, at this job's world size,
+load DIR/sharded/; gathered to rank 0 they must equal DIR/full.pt.
+"""
+
+import argparse
+import json
+import pathlib
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddp_course.data import synthetic_classification
+from ddp_course.models import MLP
+from ddp_course.runtime import distributed, get_logger
+from ddp_course.sharding import FP32_ADAM, held_bytes, state_bytes_per_rank
+
+# CommDebugMode's module tracker uses full backward hooks, which warn on the first layer.
+warnings.filterwarnings("ignore", message="Full backward hook is firing")
+# fully_shard warns that the root's output is a view (of the last layer's output): harmless
+# here, nothing modifies the logits in place.
+warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=3, help="Adam steps per variant")
+    p.add_argument("--batch-size", type=int, default=16, help="samples per rank per step")
+    p.add_argument("--hidden", type=int, default=128, help="width of the MLP's hidden layers")
+    p.add_argument("--lr", type=float, default=1e-3, help="Adam's learning rate")
+    p.add_argument("--checkpoint", help="save the FSDP2 model and optimizer in this folder")
+    p.add_argument("--resume", help="load a folder written by --checkpoint and compare")
+    p.add_argument("--results", help="write the measurements here as JSON (rank 0)")
+    return p.parse_args()
+
+
+def make_model(args, seed, device):
+    torch.manual_seed(seed)
+    return MLP(hidden=args.hidden).to(device)
+
+
+def shard_model(model, mesh, reshard_after_forward):
+    """FSDP2: each Linear is one unit (all-gathered on its own), then the root."""
+    for layer in model.net:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return model
+
+
+def full_parameters(model):
+    """Every full parameter by name (DTensors all-gathered: call on every rank)."""
+    out = {}
+    for name, p in model.named_parameters():
+        out[name.removeprefix("module.")] = (
+            p.full_tensor() if isinstance(p, DTensor) else p
+        ).detach()
+    return out
+
+
+def unsharded_bytes(model):
+    """Bytes of full (not DTensor) parameters with storage right now."""
+    return sum(p.untyped_storage().nbytes() for p in model.parameters()
+               if not isinstance(p, DTensor))  # fmt: skip
+
+
+def all_gathers(counts):
+    return sum(v for k, v in counts.items() if "all_gather" in str(k) or "allgather" in str(k))
+
+
+def train(args, kind, batches, ctx, mesh):
+    """One variant for args.steps steps; returns the model, optimizer and measurements."""
+    if kind in ("DDP", "ZeroRedundancyOptimizer"):
+        # Ranks start elsewhere on purpose: DDP broadcasts rank 0's weights.
+        model = DDP(make_model(args, ctx.rank, ctx.device))
+    else:
+        # NEW: fully_shard broadcasts nothing, each rank keeps its slice of its own
+        # weights: every rank must build the same model (same seed) or load a checkpoint.
+        model = shard_model(make_model(args, 0, ctx.device), mesh,
+                            reshard_after_forward=kind.endswith("True"))  # fmt: skip
+    if kind == "ZeroRedundancyOptimizer":
+        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=args.lr)
+    else:
+        opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    if ctx.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    b, losses = args.batch_size, []
+    for x, y in batches:
+        opt.zero_grad()
+        with CommDebugMode() as comm:
+            loss = F.cross_entropy(model(x[ctx.rank * b : (ctx.rank + 1) * b]),
+                                   y[ctx.rank * b : (ctx.rank + 1) * b])  # fmt: skip
+            between = unsharded_bytes(model)  # full parameters kept for backward
+            loss.backward()
+            opt.step()
+        # The loss of the whole global batch: the mean of the ranks' means.
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / ctx.world_size)
+    inner = model.module if isinstance(model, DDP) else model
+    optimizer = opt.optim if kind == "ZeroRedundancyOptimizer" else opt
+    measured = {
+        "losses": losses,
+        "held": held_bytes(inner, optimizer).__dict__,
+        "all_gathers_per_step": all_gathers(comm.get_comm_counts()),
+        "unsharded_bytes_after_forward": between,
+        "cuda_peak_bytes": (torch.cuda.max_memory_allocated(ctx.device)
+                            if ctx.device.type == "cuda" else None),
+    }  # fmt: skip
+    return model, opt, measured
+
+
+def full_state(model, opt):
+    """Model and optimizer state dicts gathered to rank 0, on CPU (empty on other ranks)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return {"model": get_model_state_dict(model, options=options),
+            "optim": get_optimizer_state_dict(model, opt, options=options)}  # fmt: skip
+
+
+def save_checkpoint(folder, model, opt, ctx):
+    full = full_state(model, opt)
+    if ctx.is_main:
+        folder.mkdir(parents=True, exist_ok=True)
+        torch.save(full, folder / "full.pt")  # a plain state dict: loads without FSDP
+    model_sd, optim_sd = get_state_dict(model, opt)  # this rank's shards (DTensors)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder / "sharded")
+    files = sorted(p.name for p in (folder / "sharded").iterdir())
+    return {"saved_world_size": ctx.world_size, "files": files}
+
+
+def resume_checkpoint(args, folder, ctx, mesh):
+    """Load the sharded checkpoint at this world size; compare with the gathered copy."""
+    model = shard_model(make_model(args, 100 + ctx.rank, ctx.device), mesh, True)
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    before = full_parameters(model)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=folder / "sharded")  # each rank reads the pieces it owns
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    got = full_state(model, opt)
+    out = {"world_size": ctx.world_size, "local_numel": {}}
+    for name, p in model.named_parameters():
+        out["local_numel"][name] = p.to_local().numel()
+    if ctx.is_main:
+        saved = torch.load(folder / "full.pt", weights_only=True)
+        # Bit for bit: parameters, Adam's moments and step counters, and the hyperparameters.
+        torch.testing.assert_close(got["model"], saved["model"], rtol=0, atol=0)
+        torch.testing.assert_close(got["optim"]["state"], saved["optim"]["state"], rtol=0, atol=0)
+        assert got["optim"]["param_groups"] == saved["optim"]["param_groups"]
+        changed = max((before[k] - got["model"][k].to(ctx.device)).abs().max().item()
+                      for k in before)  # fmt: skip
+        out["changed_by_load"] = changed  # the fresh model was elsewhere: > 0
+        out["optim_steps"] = sorted({float(s["step"]) for s in got["optim"]["state"].values()})
+    per_rank = [None] * ctx.world_size
+    dist.all_gather_object(per_rank, out["local_numel"])
+    out["local_numel"] = per_rank
+    return out
+
+
+def main():
+    args = parse_args()
+    with distributed(group_of_one=True) as ctx:
+        log = get_logger(ctx)
+        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+        results = {"world_size": ctx.world_size, "device": ctx.device.type}
+        if args.resume:
+            results["resume"] = resume_checkpoint(args, pathlib.Path(args.resume), ctx, mesh)
+            log.info(f"loaded {args.resume} at world size {ctx.world_size}: "
+                     "equal to the gathered full state dict")  # fmt: skip
+        else:
+            n, b = ctx.world_size, args.batch_size
+            x, y = synthetic_classification(args.steps * n * b).tensors
+            batches = [(x[i * n * b : (i + 1) * n * b].to(ctx.device),
+                        y[i * n * b : (i + 1) * n * b].to(ctx.device))
+                       for i in range(args.steps)]  # fmt: skip
+            kinds = ["DDP", "ZeroRedundancyOptimizer", "FSDP2 reshard_after_forward=True",
+                     "FSDP2 reshard_after_forward=False"]  # fmt: skip
+            variants, reference = {}, None
+            for kind in kinds:
+                model, opt, measured = train(args, kind, batches, ctx, mesh)
+                params = full_parameters(model)
+                if reference is None:
+                    reference = params
+                torch.testing.assert_close(params, reference)  # the claim: same as DDP
+                measured["gap"] = max((params[k] - reference[k]).abs().max().item()
+                                      for k in reference)  # fmt: skip
+                per_rank = [None] * n
+                dist.all_gather_object(per_rank, measured)
+                variants[kind] = per_rank
+                log.info(f"{kind:34s} losses {[round(v, 4) for v in measured['losses']]}, "
+                         f"|param - DDP| {measured['gap']:.1e}, rank 0 holds "
+                         f"{sum(measured['held'].values()) / 1e6:.3f} MB")  # fmt: skip
+            num_params = sum(p.numel() for p in reference.values())
+            results.update(variants=variants, num_params=num_params,
+                           param_tensors=len(reference),
+                           formula={s: state_bytes_per_rank(s, num_params, n, FP32_ADAM).__dict__
+                                    for s in (0, 1, 3)})  # fmt: skip
+            if args.checkpoint:
+                results["checkpoint"] = save_checkpoint(pathlib.Path(args.checkpoint),
+                                                        model, opt, ctx)  # fmt: skip
+                log.info(f"saved {args.checkpoint}: full.pt (rank 0) and sharded/ "
+                         f"{results['checkpoint']['files']}")  # fmt: skip
+        if ctx.is_main and args.results:
+            with open(args.results, "w") as f:
+                json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main()
