@@ -17,7 +17,8 @@ torch.cuda.max_memory_allocated.
 
 --checkpoint DIR: after training, the FSDP2 model and its Adam state are
 gathered to rank 0 as a plain state dict (DIR/full.pt) and saved sharded with
-torch.distributed.checkpoint (DIR/sharded/, one file per rank).
+torch.distributed.checkpoint (DIR/sharded/, one file per rank), then loaded
+back into a fresh model as below, at the same world size.
 --resume DIR: a fresh FSDP2 model and optimizer, at this job's world size,
 load DIR/sharded/; gathered to rank 0 they must equal DIR/full.pt.
 """
@@ -47,7 +48,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_course.data import synthetic_classification
 from ddp_course.models import MLP
-from ddp_course.runtime import distributed, get_logger
+from ddp_course.runtime import distributed, get_logger, pick_backend, pick_device
 from ddp_course.sharding import FP32_ADAM, held_bytes, state_bytes_per_rank
 
 # CommDebugMode's module tracker uses full backward hooks, which warn on the first layer.
@@ -194,7 +195,9 @@ def resume_checkpoint(args, folder, ctx, mesh):
 
 def main():
     args = parse_args()
-    with distributed(group_of_one=True) as ctx:
+    # One plain process on a GPU gets an nccl group of one, as torchrun's ranks would:
+    # the collectives run on the device's tensors.
+    with distributed(backend=pick_backend(pick_device()), group_of_one=True) as ctx:
         log = get_logger(ctx)
         mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
         results = {"world_size": ctx.world_size, "device": ctx.device.type}
@@ -235,6 +238,10 @@ def main():
                                                         model, opt, ctx)  # fmt: skip
                 log.info(f"saved {args.checkpoint}: full.pt (rank 0) and sharded/ "
                          f"{results['checkpoint']['files']}")  # fmt: skip
+                # Loaded back at the same world size, into a fresh model, in this job.
+                folder = pathlib.Path(args.checkpoint)
+                results["reload"] = resume_checkpoint(args, folder, ctx, mesh)
+                log.info(f"loaded it back at world size {ctx.world_size}: equal")
         if ctx.is_main and args.results:
             with open(args.results, "w") as f:
                 json.dump(results, f)

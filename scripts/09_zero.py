@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_course.data import synthetic_classification
 from ddp_course.models import MLP
-from ddp_course.runtime import distributed, get_logger
+from ddp_course.runtime import distributed, get_logger, pick_backend, pick_device
 from ddp_course.sharding import FP32_ADAM, Zero, held_bytes, state_bytes_per_rank
 
 
@@ -127,7 +127,9 @@ def run_group(args, stages, images, labels, ranks, device):
 
 def main():
     args = parse_args()
-    with distributed(group_of_one=True) as ctx:
+    # One plain process on a GPU gets an nccl group of one, as torchrun's ranks would:
+    # the collectives run on the device's tensors.
+    with distributed(backend=pick_backend(pick_device()), group_of_one=True) as ctx:
         log = get_logger(ctx)
         count = args.steps * ctx.world_size * args.batch_size
         images, labels = synthetic_classification(count).tensors
