@@ -1,10 +1,11 @@
-"""Pipeline parallelism: one training step of a layer stack split over ranks, timed.
+r"""Pipeline parallelism: one training step of a layer stack split over ranks, timed.
 
 Run from the repository root:
     python scripts/08_pipeline.py
     torchrun --nproc_per_node=2 scripts/08_pipeline.py --schedule gpipe 1f1b --microbatches 2 4
     torchrun --nproc_per_node=2 scripts/08_pipeline.py --stage-cost-s 0 --microbatches 1 4
-    python scripts/08_pipeline.py --sweep --results benchmarks/cpu-2core/08_bubble.json
+    python scripts/08_pipeline.py --sweep --stage-cost-s 0.1 \
+        --results benchmarks/cpu-2core/08_bubble.json
 
 Rank k runs stage k, the k-th contiguous slice of a LayerStack, so there are as
 many stages as ranks. For every schedule and number of micro-batches m the
@@ -29,11 +30,14 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.nn.functional import cross_entropy
 
 from ddp_course import launch, pipeline
 from ddp_course.models import LayerStack
 from ddp_course.runtime import distributed, get_logger
+
+TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
 def parse_args():
@@ -79,6 +83,30 @@ def gather(obj, world_size):
     return everyone
 
 
+def torch_pipelining(args, ctx, name, m, x, y, ours):
+    """The same step with torch.distributed.pipelining; largest |gradient - ours| on this rank.
+
+    None for the naive split (torch has no such schedule) and when m does not divide the
+    batch (torch averages the micro-batch losses with equal weights).
+    """
+    if name == "naive" or len(x) % m:
+        return None
+    p, k = ctx.world_size, ctx.rank
+    theirs = pipeline.split_model(whole_model(args), p, k).to(ctx.device)
+    stage = PipelineStage(theirs, k, p, ctx.device)
+    schedule = TORCH_SCHEDULES[name](stage, n_microbatches=m, loss_fn=cross_entropy)
+    if k == 0:
+        schedule.step(x.to(ctx.device), **({"target": y.to(ctx.device)} if p == 1 else {}))
+    elif k == p - 1:
+        schedule.step(target=y.to(ctx.device))
+    else:
+        schedule.step()
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6)
+    return max((a.grad - b.grad).abs().max().item()
+               for a, b in zip(ours.parameters(), theirs.parameters()))  # fmt: skip
+
+
 def one_step(args, ctx, name, m, x, y, ref):
     """One pipelined step with schedule ``name`` and m micro-batches; what every rank saw."""
     p, k = ctx.world_size, ctx.rank
@@ -94,7 +122,8 @@ def one_step(args, ctx, name, m, x, y, ref):
         torch.testing.assert_close(q.grad, g, rtol=1e-5, atol=1e-6)  # NEW: equal to one process
     diff = max((q.grad - g).abs().max().item() for q, g in zip(stage.parameters(), ref_grads))
     timeline = pipeline.gather_timeline(result).relative()
-    ranks = gather((result.peak_in_flight, result.bytes_sent, diff), p)
+    torch_diff = torch_pipelining(args, ctx, name, m, x, y, stage)
+    ranks = gather((result.peak_in_flight, result.bytes_sent, diff, torch_diff), p)
     loss = gather(result.loss, p)[-1]
     return {
         "schedule": name, "microbatches": m,
@@ -104,6 +133,7 @@ def one_step(args, ctx, name, m, x, y, ref):
         "peak_in_flight": [r[0] for r in ranks],
         "bytes_sent": [r[1] for r in ranks],
         "grad_diff": max(r[2] for r in ranks),
+        "torch_grad_diff": None if torch_diff is None else max(r[3] for r in ranks),
         "loss": loss, "loss_gap": abs(loss - ref_loss),
         "timeline": timeline.to_records(),
     }  # fmt: skip
@@ -127,6 +157,9 @@ def main_run(args):
                          + f" (formula {run['formula']:.2f}), activations held "
                          f"{run['peak_in_flight']}, |grad - one process| <= "
                          f"{run['grad_diff']:.1e}")  # fmt: skip
+                if run["torch_grad_diff"] is not None:
+                    log.info(f"      torch.distributed.pipelining: |grad - ours| <= "
+                             f"{run['torch_grad_diff']:.1e}")  # fmt: skip
         if ctx.is_main and args.results:
             with open(args.results, "w") as f:
                 json.dump({"world_size": ctx.world_size, "device": str(ctx.device),
@@ -143,7 +176,8 @@ def sweep(args):
               "--layers", str(args.layers)]  # fmt: skip
     jobs = [(p, args.stage_cost_s, ["--microbatches", "1", "2", "4", "8"])
             for p in args.sweep_stages]  # fmt: skip
-    jobs.append((2, 0.0, ["--microbatches", "1", "2", "4", "8"]))  # real compute, 2 stages
+    # Real compute on 2 stages, wider layers so that compute outweighs messages.
+    jobs.append((2, 0.0, ["--microbatches", "1", "2", "4", "8", "--width", "1024"]))
     out = {"torch": torch.__version__, "load_average_1min": os.getloadavg()[0], "jobs": []}
     for p, cost, extra in jobs:
         job = launch.torchrun(__file__, [*common, *extra, "--stage-cost-s", str(cost)],

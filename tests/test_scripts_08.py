@@ -1,0 +1,93 @@
+"""Lesson 08's scripts, checked by what they report: the pipelined step equal to one
+process, the measured bubble against GPipe's formula for 2 and 4 stages and m in 1, 2, 4,
+8 (sleeping stages), activations held per schedule, bytes per stage boundary; the
+tensor-parallel script as a plain process.
+
+Elsewhere: 3 stages in tests/test_pipeline.py and under nbval in notebook 08; the whole
+p x m grid, with naive and real compute, in benchmarks/cpu-2core/08_bubble.json (asserted
+by the notebook); the tensor-parallel MLP on 2 and 4 ranks in tests/test_tensor_parallel.py
+and the script on 2 ranks in the notebook.
+"""
+
+import pytest
+
+from ddp_course import launch, pipeline
+
+BATCH, WIDTH = 32, 32
+# Forward sleep per stage (backward 2x). Message latency adds idle time the formula leaves
+# out; it weighs most with 2 stages and 8 micro-batches (formula 1/9), hence a longer sleep.
+COST_S = {2: 0.08, 4: 0.05}
+
+
+def bubble_formula(p, m):
+    # Huang et al., NeurIPS 2019, section 2.3; written here, not imported from the package.
+    return (p - 1) / (m + p - 1)
+
+
+def check_common(r, p):
+    """Every run: gradients and loss equal one process; actions in schedule order; bytes."""
+    assert r["world_size"] == p and r["runs"]
+    boundary = (BATCH * WIDTH * 4) if p > 1 else 0  # float32 [batch, width], summed over m
+    for run in r["runs"]:
+        name, m = run["schedule"], run["microbatches"]
+        assert run["grad_diff"] <= 1e-5 and run["loss_gap"] <= 1e-5, (name, m)
+        tl = pipeline.Timeline.from_records(run["timeline"])
+        order = [[str(e.action) for e in tl.of_rank(k)] for k in range(p)]
+        gold = pipeline.schedule(name, p, m)
+        assert order == [[str(a) for a in row] for row in gold], (name, m)
+        # Activations forward to the next stage, gradients back: each boundary once each way.
+        sent = [boundary * ((k > 0) + (k < p - 1)) for k in range(p)]
+        assert run["bytes_sent"] == sent, (name, m)
+
+
+def test_pipeline_as_plain_python(root):
+    args = ["--microbatches", "1", "3", "--stage-cost-s", "0", "--batch-size", str(BATCH),
+            "--width", str(WIDTH)]  # fmt: skip
+    r = launch.python(root / "scripts/08_pipeline.py", args, results=True, echo=False,
+                      timeout_s=120).results  # fmt: skip
+    check_common(r, 1)
+    runs = {(run["schedule"], run["microbatches"]): run for run in r["runs"]}
+    assert set(runs) == {(s, m) for s in pipeline.SCHEDULES for m in (1, 3)}
+    for (name, m), run in runs.items():
+        # One stage never waits for another: idle only between its own actions.
+        assert run["bubbles"][0] < 0.1, (name, m)
+        assert run["peak_in_flight"] == [m if name == "gpipe" else 1], name
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_pipeline_bubble_and_memory_under_torchrun(root, p):
+    ms = [1, 2, 4, 8]
+    args = ["--schedule", "gpipe", "1f1b", "--microbatches", *map(str, ms),
+            "--stage-cost-s", str(COST_S[p]), "--batch-size", str(BATCH),
+            "--width", str(WIDTH)]  # fmt: skip
+    r = launch.torchrun(root / "scripts/08_pipeline.py", args, nproc=p, results=True,
+                        echo=False, timeout_s=180).results  # fmt: skip
+    check_common(r, p)
+    runs = {(run["schedule"], run["microbatches"]): run for run in r["runs"]}
+    # 1F1B needs as many micro-batches as stages; the script skips the others.
+    assert set(runs) == {("gpipe", m) for m in ms} | {("1f1b", m) for m in ms if m >= p}
+    for (name, m), run in runs.items():
+        tl = pipeline.Timeline.from_records(run["timeline"])
+        ends = {(e.rank, e.action): e.end for e in tl.events}
+        for e in tl.events:  # nothing starts before the message it needs was sent
+            peer = e.rank - 1 if e.action.kind == "F" else e.rank + 1
+            if 0 <= peer < p:
+                assert e.start >= ends[(peer, e.action)], (name, m, e)
+        # Sleeping stages: every rank's idle fraction within 10% of GPipe's formula.
+        expected = bubble_formula(p, m)
+        assert run["bubbles"] == [pytest.approx(expected, rel=0.1)] * p, (name, m)
+        # Activations held at once: m for GPipe, p - k (so at most p) for 1F1B.
+        if name == "gpipe":
+            assert run["peak_in_flight"] == [m] * p
+        else:
+            assert run["peak_in_flight"] == [p - k for k in range(p)]
+            assert max(run["peak_in_flight"]) <= p
+
+
+def test_tensor_parallel_as_plain_python(root):
+    r = launch.python(root / "scripts/08_tensor_parallel.py", results=True, echo=False,
+                      timeout_s=120).results  # fmt: skip
+    assert r["world_size"] == 1
+    assert max(r["diffs"].values()) <= 1e-5 and max(r["torch_diffs"].values()) <= 1e-5
+    # One rank: nothing to reduce, the whole weights on the rank.
+    assert r["all_reduce_bytes"] == [] and r["params_per_rank"] == r["params_whole"]
