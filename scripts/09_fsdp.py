@@ -9,7 +9,8 @@ Every rank trains the same MLP with Adam on its slice of the same batches four
 ways, from the same start: torch's DDP (the reference), DDP with
 ZeroRedundancyOptimizer, and FSDP2 (fully_shard on each Linear and on the
 whole model, over a device mesh of every rank) with reshard_after_forward
-True and False. Losses and final parameters must equal DDP's (assert_close).
+True and False. Losses and final parameters must equal DDP's (assert_close);
+FSDP2 whose ranks start from different weights (no broadcast) does not.
 Each rank reports the bytes of parameters, gradients and optimizer state it
 holds after a step (local shards only), the all-gathers one step makes and
 the full-parameter bytes alive between forward and backward; on GPU also
@@ -104,7 +105,7 @@ def all_gathers(counts):
     return sum(v for k, v in counts.items() if "all_gather" in str(k) or "allgather" in str(k))
 
 
-def train(args, kind, batches, ctx, mesh):
+def train(args, kind, batches, ctx, mesh, fsdp_seed=0):
     """One variant for args.steps steps; returns the model, optimizer and measurements."""
     if kind in ("DDP", "ZeroRedundancyOptimizer"):
         # Ranks start elsewhere on purpose: DDP broadcasts rank 0's weights.
@@ -112,7 +113,7 @@ def train(args, kind, batches, ctx, mesh):
     else:
         # NEW: fully_shard broadcasts nothing, each rank keeps its slice of its own
         # weights: every rank must build the same model (same seed) or load a checkpoint.
-        model = shard_model(make_model(args, 0, ctx.device), mesh,
+        model = shard_model(make_model(args, fsdp_seed, ctx.device), mesh,
                             reshard_after_forward=kind.endswith("True"))  # fmt: skip
     if kind == "ZeroRedundancyOptimizer":
         opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=args.lr)
@@ -228,6 +229,13 @@ def main():
                 log.info(f"{kind:34s} losses {[round(v, 4) for v in measured['losses']]}, "
                          f"|param - DDP| {measured['gap']:.1e}, rank 0 holds "
                          f"{sum(measured['held'].values()) / 1e6:.3f} MB")  # fmt: skip
+            # What the same seed is for: FSDP2 with each rank's own start trains a mix.
+            mixed, _, _ = train(args, kinds[2], batches, ctx, mesh, fsdp_seed=ctx.rank)
+            mixed = full_parameters(mixed)
+            results["unbroadcast_gap"] = max((mixed[k] - reference[k]).abs().max().item()
+                                             for k in reference)  # fmt: skip
+            log.info(f"FSDP2 started from each rank's own weights: |param - DDP| "
+                     f"{results['unbroadcast_gap']:.1e}")  # fmt: skip
             num_params = sum(p.numel() for p in reference.values())
             results.update(variants=variants, num_params=num_params,
                            param_tensors=len(reference),
