@@ -466,8 +466,9 @@ def run_metadata(command: Sequence[str] | None = None) -> dict[str, object]:
     """What a result needs to be compared and re-measured: machine, versions, load, command.
 
     Args:
-        command: the command line; default ``sys.argv`` (with ``python`` in
-            front), paths shown relative to the current folder when inside it.
+        command: the command line; default ``sys.argv`` with ``python`` in
+            front, or ``torchrun --nproc_per_node=N`` under torchrun; paths
+            shown relative to the current folder when inside it.
 
     Returns:
         JSON-ready dict: ``machine`` (architecture, processor count, OS),
@@ -478,7 +479,10 @@ def run_metadata(command: Sequence[str] | None = None) -> dict[str, object]:
         ``utc`` (ISO 8601 seconds).
     """
     if command is None:
-        command = ["python", *sys.argv]
+        # Under torchrun, sys.argv is the script's; the launcher's line is what a reader retypes.
+        nproc = os.environ.get("LOCAL_WORLD_SIZE")
+        launcher = ["torchrun", f"--nproc_per_node={nproc}"] if nproc else ["python"]
+        command = [*launcher, *sys.argv]
     cwd = pathlib.Path.cwd()
     shown = []
     for part in command:

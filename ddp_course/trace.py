@@ -20,6 +20,8 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 
 __all__ = [
+    "BACKWARD_PATTERN",
+    "COMM_PATTERN",
     "intervals",
     "load_trace",
     "overlap_report",
@@ -33,6 +35,18 @@ Interval = tuple[float, float]
 
 COMM_PATTERN = r"^(gloo|nccl):all_reduce$"
 """Names of the all-reduce events gloo and nccl record (the work itself, not its launch)."""
+
+BACKWARD_PATTERN = r"^autograd::engine::evaluate_function: "
+"""The autograd engine's events, one per backward function run: when backward computed.
+
+Not the ``record_function("backward")`` label around ``loss.backward()``:
+that call returns only after DDP has waited for every bucket, so the label
+contains all of the communication, exposed or not."""
+
+KEEP_PATTERN = (
+    r"^(gloo|nccl):|^autograd::engine::evaluate_function: |^(forward|backward|optimizer)$"
+)
+"""What :func:`slim_trace` keeps: communication, backward functions and the lessons' labels."""
 
 
 def load_trace(path: str | os.PathLike) -> list[dict]:
@@ -109,7 +123,7 @@ def total_length(spans: Sequence[Interval]) -> float:
 def overlap_report(
     events: Iterable[Mapping],
     comm: str = COMM_PATTERN,
-    compute: str = r"^backward$",
+    compute: str = BACKWARD_PATTERN,
     pid: int | None = None,
 ) -> dict[str, float]:
     """How much of the communication ran while backward was running.
@@ -117,8 +131,9 @@ def overlap_report(
     Args:
         events: trace events (:func:`load_trace`).
         comm: regular expression for the communication events.
-        compute: regular expression for the compute events (the
-            ``record_function`` label around ``loss.backward()``).
+        compute: regular expression for the compute events (default:
+            the autograd engine's backward functions, see
+            :data:`BACKWARD_PATTERN`).
         pid: only this process's events.
 
     Returns:
@@ -136,19 +151,22 @@ def overlap_report(
     if not c:
         raise ValueError(f"no communication events matching {comm!r} in the trace")
     if not b:
-        raise ValueError(f"no compute events matching {compute!r}: label them with record_function")
+        raise ValueError(
+            f"no compute events matching {compute!r}: profile backward, or label it with "
+            "record_function and pass that label"
+        )
     comm_us, both = total_length(c), total_length(intersection(c, b))
     return {"comm_us": comm_us, "compute_us": total_length(b), "overlap_us": both,
             "overlap_fraction": both / comm_us}  # fmt: skip
 
 
-def slim_trace(events: Iterable[Mapping], keep: str = r"^(gloo|nccl):|^[a-z_]+$") -> dict:
-    """A small trace with only the labelled and communication events (and thread names).
+def slim_trace(events: Iterable[Mapping], keep: str = KEEP_PATTERN) -> dict:
+    """A small trace with only the labelled, backward and communication events.
 
     Keeps ``ph == "M"`` metadata events (process and thread names) and the
-    complete events of category ``user_annotation`` whose name matches
-    ``keep``; drops the operators, so a recorded trace stays a few
-    kilobytes and still opens in Perfetto.
+    complete events whose name matches ``keep`` (:data:`KEEP_PATTERN`);
+    drops the other operators, so a recorded trace stays small and still
+    opens in Perfetto.
 
     Returns:
         ``{"traceEvents": [...], "displayTimeUnit": "ms"}``, ready for ``json.dump``.
@@ -156,11 +174,7 @@ def slim_trace(events: Iterable[Mapping], keep: str = r"^(gloo|nccl):|^[a-z_]+$"
     rx = re.compile(keep)
     kept = []
     for e in events:
-        if e.get("ph") == "M" or (
-            e.get("ph") == "X"
-            and e.get("cat") == "user_annotation"
-            and rx.search(e.get("name", ""))
-        ):
+        if e.get("ph") == "M" or (e.get("ph") == "X" and rx.search(str(e.get("name", "")))):
             kept.append({k: e[k] for k in ("ph", "name", "cat", "ts", "dur", "pid", "tid", "args")
                          if k in e})  # fmt: skip
     return {"traceEvents": kept, "displayTimeUnit": "ms"}

@@ -239,6 +239,10 @@ def test_run_metadata_names_machine_versions_load_and_command(tmp_path, monkeypa
     assert meta["load_average_1min"] == pytest.approx(os.getloadavg()[0], abs=2.0)
     assert meta["threads_per_rank"] == torch.get_num_threads()
     json.dumps(meta)  # JSON-ready
+    # Under torchrun the launcher's line is recorded, not "python".
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr("sys.argv", [str(tmp_path / "scripts/x.py"), "collectives"])
+    assert run_metadata()["command"] == "torchrun --nproc_per_node=2 scripts/x.py collectives"
 
 
 def test_write_records_json_and_csv_round_trip(tmp_path):
