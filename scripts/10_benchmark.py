@@ -1,0 +1,491 @@
+r"""Lesson 10: benchmark distributed training the way the field reports it, then model it.
+
+Modes (one or several per run; each row of the results names its mode):
+  collectives  every collective from --min-bytes to --max-bytes: algbw, busbw, alpha-beta fits
+  scaling      DDP steps on 1, 2, 4 ranks (sub-groups of one job), strong and weak scaling,
+               threads per rank, Amdahl and Gustafson fits
+  knobs        bucket_cap_mb sweep, no_sync accumulation, fp16/bf16 compression hooks,
+               lesson 07's BucketedDDP against torch's DDP
+  model        t_step = t_forward + t_backward + exposed all-reduce + t_optimizer against
+               BucketedDDP's measured step time for several bucket caps
+  trace        torch.profiler traces of DDP steps: how much all-reduce time overlaps backward
+
+Recorded runs, from the repository root (minutes each):
+    torchrun --nproc_per_node=2 scripts/10_benchmark.py collectives \
+        --results benchmarks/cpu-2core/10_collectives.json
+    torchrun --nproc_per_node=4 scripts/10_benchmark.py scaling \
+        --results benchmarks/cpu-2core/10_scaling.json
+    torchrun --nproc_per_node=2 scripts/10_benchmark.py knobs model trace \
+        --chrome-trace benchmarks/cpu-2core/10_trace_rank0.json \
+        --results benchmarks/cpu-2core/10_knobs_model_trace.json
+A tiny run of every mode (seconds), also as one plain process:
+    python scripts/10_benchmark.py all --tiny
+    torchrun --nproc_per_node=2 scripts/10_benchmark.py all --tiny
+
+Method: warm-up first; every timed iteration starts at a barrier and lasts as
+long as its slowest rank (one all_reduce(MAX) of the elapsed times); medians
+and interquartile ranges over repeats; the settings of a mode are interleaved
+repeat by repeat, in an order that rotates, so a slow spell of the machine
+falls on all of them alike. Rank 0 writes the rows as JSON and CSV (same
+name, .csv) with the machine, versions, load average and this command.
+"""
+
+import argparse
+import contextlib
+import json
+import os
+import pathlib
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm import tqdm
+
+from ddp_course.bench import (
+    COLLECTIVES,
+    algbw,
+    busbw,
+    busbw_plateau,
+    fit_each,
+    message_sizes,
+    run_metadata,
+    summarize,
+    write_records,
+)
+from ddp_course.ddp import BucketedDDP
+from ddp_course.models import LayerStack
+from ddp_course.runtime import barrier, distributed, get_logger
+from ddp_course.scaling import StepTimeModel, efficiency_table, fit_amdahl, fit_gustafson
+from ddp_course.trace import load_trace, overlap_report, slim_trace
+
+MODES = ["collectives", "scaling", "knobs", "model", "trace"]
+TINY = {"min_bytes": 4096, "max_bytes": 65536, "repeats": 2, "warmup": 1, "width": 64,
+        "layers": 2, "batch": 8, "caps": [0.01, 1.0], "steps": 2}  # fmt: skip
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("modes", nargs="+", choices=[*MODES, "all"], help="what to measure")
+    p.add_argument("--min-bytes", type=int, default=4096, help="smallest message (collectives)")
+    p.add_argument("--max-bytes", type=int, default=64 * 2**20, help="largest message")
+    p.add_argument("--warmup", type=int, default=2, help="untimed iterations per setting")
+    p.add_argument("--repeats", type=int, default=10, help="timed iterations per setting")
+    p.add_argument("--width", type=int, default=1024, help="LayerStack width (the model)")
+    p.add_argument("--layers", type=int, default=6, help="LayerStack hidden layers")
+    p.add_argument("--batch", type=int, default=32, help="samples per rank (strong: global)")
+    p.add_argument("--caps", type=float, nargs="+", default=[0.5, 1, 2, 5, 10, 25, 50],
+                   help="bucket_cap_mb values (knobs, model)")  # fmt: skip
+    p.add_argument("--accum", type=int, default=4, help="micro-batches per step (no_sync)")
+    p.add_argument("--steps", type=int, default=3, help="profiled steps per setting (trace)")
+    p.add_argument("--chrome-trace", help="keep rank 0's trace of torch's DDP here (trace)")
+    p.add_argument("--tiny", action="store_true", help="tiny sizes and repeats: seconds")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--results", help="write the rows here as JSON, and as CSV beside it")
+    args = p.parse_args()
+    if args.tiny:
+        for k, v in TINY.items():
+            setattr(args, k, v)
+    if "all" in args.modes:
+        args.modes = list(MODES)
+    if args.repeats < 1 or args.warmup < 0:
+        p.error("need --repeats >= 1 and --warmup >= 0")
+    return args
+
+
+def slowest(ctx, seconds: float) -> float:
+    """The slowest rank's time of this iteration (every rank calls it)."""
+    t = torch.tensor([seconds], dtype=torch.float64, device=ctx.device)
+    if ctx.is_distributed:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def sync(ctx):
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+
+
+def interleaved(settings, ctx, args, bar, active=None):
+    """Time every setting once per repeat, rotating the order; slowest rank per iteration.
+
+    ``settings`` maps a name to a function of no arguments; ``active(name)``
+    says whether this rank takes part (sub-group runs); the others wait.
+    Returns ``{name: [seconds per repeat]}``.
+    """
+    names = list(settings)
+    active = active or (lambda name: True)
+    for name in names:
+        for _ in range(args.warmup):
+            if active(name):
+                settings[name]()
+        barrier(ctx)
+    times = {name: [] for name in names}
+    for r in range(args.repeats):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
+            barrier(ctx)
+            start = time.perf_counter()
+            if active(name):
+                settings[name]()
+                sync(ctx)
+            times[name].append(slowest(ctx, time.perf_counter() - start))
+            bar.update()
+    return times
+
+
+def stats(times):
+    t = summarize(times)
+    return {"median_s": t.median, "iqr_s": t.iqr, "repeats": t.repeats}
+
+
+def make_model(args, device):
+    torch.manual_seed(0)
+    return LayerStack(784, args.width, args.layers).to(device)
+
+
+def batch(n, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 784, generator=gen).to(device)
+    return x, torch.randint(0, 10, (n,), generator=gen).to(device)
+
+
+def train_step(model, x, y, accum=1, no_sync=False):
+    """One SGD step over ``accum`` micro-batches, as a function of no arguments."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step():
+        opt.zero_grad()
+        for i in range(accum):
+            skip = no_sync and i < accum - 1
+            with model.no_sync() if skip else contextlib.nullcontext():
+                (F.cross_entropy(model(x), y) / accum).backward()
+        opt.step()
+
+    return step
+
+
+# ---------------------------------------------------------------- collectives
+
+
+def collective_fn(name, nbytes, ctx):
+    """One call of collective ``name`` on S = ``nbytes`` as nccl-tests counts S.
+
+    all_reduce and broadcast: a tensor of S bytes; all_gather: S bytes out,
+    S/n in from each rank; reduce_scatter: S bytes in, S/n out; all_to_all:
+    S bytes in and out, S/n to each peer.
+    """
+    n, dev = ctx.world_size, ctx.device
+    numel = max(n, nbytes // 4 // n * n)  # float32, divisible by n
+    full = torch.ones(numel, device=dev)
+    part = torch.ones(numel // n, device=dev)
+    out = torch.empty_like(full)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return {
+        "all_reduce": lambda: dist.all_reduce(full),
+        "all_gather": lambda: gather(out, part),
+        "reduce_scatter": lambda: scatter(part, full),
+        "broadcast": lambda: dist.broadcast(full, src=0),
+        "all_to_all": lambda: dist.all_to_all_single(out, full),
+    }[name], numel * 4
+
+
+def run_collectives(ctx, args, log):
+    sizes = message_sizes(args.min_bytes, args.max_bytes, 4)
+    settings, nbytes = {}, {}
+    for name in COLLECTIVES:
+        for size in sizes:
+            settings[(name, size)], nbytes[(name, size)] = collective_fn(name, size, ctx)
+    bar = tqdm(total=len(settings) * args.repeats, desc="collectives", disable=args.hide)
+    times = interleaved(settings, ctx, args, bar)
+    bar.close()
+    rows = []
+    for (name, size), ts in times.items():
+        s, b = nbytes[(name, size)], stats(ts)
+        bus = busbw(s, b["median_s"], name, ctx.world_size)
+        rows.append({"mode": "collectives", "collective": name, "world_size": ctx.world_size,
+                     "bytes": s, **b, "algbw_GBps": algbw(s, b["median_s"]) / 1e9,
+                     "busbw_GBps": bus / 1e9})  # fmt: skip
+    summary = {}
+    if ctx.world_size > 1:
+        for name, fit in fit_each(rows).items():
+            summary[name] = {"alpha_s": fit.alpha, "bandwidth_GBps": fit.bandwidth / 1e9,
+                             "busbw_plateau_GBps": busbw_plateau(fit, name, ctx.world_size) / 1e9,
+                             "half_bandwidth_bytes": fit.half_bandwidth_bytes}  # fmt: skip
+            bw = f"{fit.bandwidth / 1e9:.2f} GB/s" if fit.beta > 0 else "bandwidth not resolved"
+            log.info(f"{name}: alpha {1e6 * fit.alpha:.0f} us, {bw}")
+    return rows, {"fits": summary}
+
+
+# ---------------------------------------------------------------- scaling
+
+
+def run_scaling(ctx, args, log):
+    world_sizes = [n for n in (1, 2, 4, 8) if n <= ctx.world_size]
+    groups = {n: dist.new_group(list(range(n))) for n in world_sizes}
+    cpus = os.cpu_count() or 1
+    settings, where, per_rank_batch = {}, {}, {}
+    for n in world_sizes:
+        # Strong: the global batch split over n ranks; weak: the same batch on every rank.
+        # One thread per rank (torchrun's OMP_NUM_THREADS=1); weak scaling also with every
+        # rank using all cores, which oversubscribes them from 2 ranks on.
+        variants = [("strong", 1), ("weak", 1)] + ([("weak", cpus)] if cpus > 1 else [])
+        for kind, threads in variants:
+            per_rank = max(1, args.batch // n) if kind == "strong" else args.batch
+            name = (kind, n, threads)
+            where[name] = n
+            x, y = batch(per_rank, ctx.device)
+            per_rank_batch[name] = len(x)  # what the step really gets
+            if ctx.rank < n:
+                model = DDP(make_model(args, ctx.device), process_group=groups[n])
+                step = train_step(model, x, y)
+                settings[name] = with_threads(threads, step)
+            else:
+                settings[name] = None
+    # DDP's own cost at one rank: the same step without the wrapper.
+    plain = ("plain", 1, 1)
+    where[plain] = 1
+    x, y = batch(args.batch, ctx.device)
+    per_rank_batch[plain] = len(x)
+    step = train_step(make_model(args, ctx.device), x, y)
+    settings[plain] = with_threads(1, step)
+    bar = tqdm(total=len(settings) * args.repeats, desc="scaling", disable=args.hide)
+    times = interleaved(settings, ctx, args, bar, active=lambda k: ctx.rank < where[k])
+    bar.close()
+    rows = []
+    for (kind, n, threads), ts in times.items():
+        b = per_rank_batch[(kind, n, threads)]
+        rows.append({"mode": "scaling", "kind": kind, "world_size": n,
+                     "threads_per_rank": threads, "oversubscribed": n * threads > cpus,
+                     "per_rank_batch": b, "global_batch": b * n, **stats(ts)})  # fmt: skip
+    summary = {"cpus": cpus}
+    fair = [r for r in rows if r["threads_per_rank"] == 1]
+    for kind in ("strong", "weak"):
+        mine = sorted((r for r in fair if r["kind"] == kind), key=lambda r: r["world_size"])
+        table = efficiency_table([r["world_size"] for r in mine],
+                                 [r["median_s"] for r in mine], kind, args.batch)  # fmt: skip
+        summary[kind] = table
+        ns, sp = [r["world_size"] for r in table], [r["speedup"] for r in table]
+        if len(ns) > 1:
+            fit = fit_amdahl if kind == "strong" else fit_gustafson
+            summary[f"{kind}_serial_fraction"] = fit(ns, sp)
+        for r in table:
+            log.info(f"{kind} N={r['world_size']}: efficiency {r['efficiency']:.2f}")
+    one = {r["kind"]: r["median_s"] for r in fair if r["world_size"] == 1}
+    summary["ddp_over_plain_at_one_rank"] = one["weak"] / one["plain"]
+    return rows, summary
+
+
+def with_threads(threads, fn):
+    def run():
+        torch.set_num_threads(threads)
+        fn()
+
+    return run
+
+
+# ---------------------------------------------------------------- knobs
+
+
+def run_knobs(ctx, args, log):
+    dev = ctx.device
+    x, y = batch(args.batch, dev, seed=ctx.rank)
+    settings = {}
+    for cap in args.caps:
+        settings[f"torch DDP cap={cap:g}"] = train_step(DDP(make_model(args, dev),
+                                                            bucket_cap_mb=cap), x, y)  # fmt: skip
+    settings["BucketedDDP cap=25"] = train_step(BucketedDDP(make_model(args, dev)), x, y)
+    settings["torch DDP cap=25"] = train_step(DDP(make_model(args, dev)), x, y)
+    for name, hook in (("fp16", default_hooks.fp16_compress_hook),
+                       ("bf16", default_hooks.bf16_compress_hook)):  # fmt: skip
+        model = DDP(make_model(args, dev))
+        model.register_comm_hook(None, hook)
+        settings[f"{name} hook cap=25"] = train_step(model, x, y)
+    xs, ys = x[: max(1, args.batch // args.accum)], y[: max(1, args.batch // args.accum)]
+    settings["sync every micro-batch"] = train_step(DDP(make_model(args, dev)), xs, ys,
+                                                    accum=args.accum)  # fmt: skip
+    settings["no_sync"] = train_step(DDP(make_model(args, dev)), xs, ys, accum=args.accum,
+                                     no_sync=True)  # fmt: skip
+    bar = tqdm(total=len(settings) * args.repeats, desc="knobs", disable=args.hide)
+    times = interleaved(settings, ctx, args, bar)
+    bar.close()
+    rows = [{"mode": "knobs", "setting": name, "world_size": ctx.world_size, **stats(ts)}
+            for name, ts in times.items()]  # fmt: skip
+    med = {r["setting"]: r["median_s"] for r in rows}
+    ratios = {
+        "BucketedDDP / torch DDP": med["BucketedDDP cap=25"] / med["torch DDP cap=25"],
+        "fp16 hook / no hook": med["fp16 hook cap=25"] / med["torch DDP cap=25"],
+        "bf16 hook / no hook": med["bf16 hook cap=25"] / med["torch DDP cap=25"],
+        "sync every micro-batch / no_sync": med["sync every micro-batch"] / med["no_sync"],
+    }
+    for k, v in ratios.items():
+        log.info(f"{k}: {v:.2f}")
+    skipped = {}
+    if dev.type != "cuda" or torch.cuda.device_count() < 2:
+        skipped["DataParallel vs DDP"] = "needs a machine with 2 or more GPUs"
+        log.info("DataParallel vs DDP: skipped, needs a machine with 2 or more GPUs")
+    return rows, {"ratios": ratios, "skipped": skipped}
+
+
+# ---------------------------------------------------------------- model
+
+
+def run_model(ctx, args, log):
+    dev = ctx.device
+    x, y = batch(args.batch, dev, seed=ctx.rank)
+    plain = make_model(args, dev)
+    opt = torch.optim.SGD(plain.parameters(), lr=0.01)
+    phase = {}
+
+    def compute():
+        # Every rank computes at once, as in DDP, without communicating.
+        opt.zero_grad()
+        t0 = time.perf_counter()
+        loss = F.cross_entropy(plain(x), y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        sync(ctx)
+        phase.setdefault("forward", []).append(t1 - t0)
+        phase.setdefault("backward", []).append(t2 - t1)
+        phase.setdefault("optimizer", []).append(time.perf_counter() - t2)
+
+    settings = {"compute": compute}
+    grad_bytes = sum(p.numel() * p.element_size() for p in plain.parameters())
+    sizes = message_sizes(16384, max(2 * grad_bytes, 32768), 4)
+    for size in sizes:
+        settings[("all_reduce", size)] = collective_fn("all_reduce", size, ctx)[0]
+    wrapped = {}
+    for cap in args.caps:
+        wrapped[cap] = BucketedDDP(make_model(args, dev), bucket_cap_mb=cap)
+        settings[("BucketedDDP", cap)] = train_step(wrapped[cap], x, y)
+    bar = tqdm(total=len(settings) * args.repeats, desc="model", disable=args.hide)
+    times = interleaved(settings, ctx, args, bar)
+    bar.close()
+    n_warm = args.warmup
+    # Per phase: the slowest rank of each repeat, then the median.
+    compute_s = {}
+    for k, v in phase.items():
+        per_repeat = [slowest(ctx, t) for t in v[n_warm:]]
+        compute_s[k] = summarize(per_repeat).median
+    model = StepTimeModel(compute_s["forward"], compute_s["backward"], compute_s["optimizer"])
+    ar_rows = [{"collective": "all_reduce", "bytes": s, **stats(times[("all_reduce", s)])}
+               for s in sizes]  # fmt: skip
+    rows = [{"mode": "model", "setting": "all_reduce", "bytes": r["bytes"],
+             "world_size": ctx.world_size, "median_s": r["median_s"], "iqr_s": r["iqr_s"]}
+            for r in ar_rows]  # fmt: skip
+    fit = fit_each(ar_rows)["all_reduce"] if ctx.world_size > 1 else None
+    for cap in args.caps:
+        buckets = wrapped[cap].bucket_bytes()
+        measured = stats(times[("BucketedDDP", cap)])
+        row = {"mode": "model", "setting": "BucketedDDP", "bucket_cap_mb": cap,
+               "buckets": len(buckets), "bytes": sum(buckets), "world_size": ctx.world_size,
+               **measured}  # fmt: skip
+        if fit is not None:
+            predicted = model.predict(buckets, fit, ctx.world_size)
+            # On shared CPU cores gloo's copies and sums take the cores backward runs on,
+            # so "overlapped" communication is not free: the bound without any overlap.
+            serial = sum(compute_s.values()) + sum(float(fit.predict(b)) for b in buckets)
+            row |= {"predicted_s": predicted,
+                    "exposed_comm_s": model.exposed(buckets, fit, ctx.world_size),
+                    "no_overlap_s": serial,
+                    "predicted_over_measured": predicted / measured["median_s"],
+                    "no_overlap_over_measured": serial / measured["median_s"]}  # fmt: skip
+            log.info(f"cap {cap:g} MB: predicted {1e3 * predicted:.1f} ms, "
+                     f"measured {1e3 * measured['median_s']:.1f} ms")  # fmt: skip
+        rows.append(row)
+    summary = {"compute_s": compute_s, "gradient_bytes": grad_bytes}
+    if fit is not None:
+        summary["all_reduce_fit"] = {"alpha_s": fit.alpha, "bandwidth_GBps": fit.bandwidth / 1e9}
+    return rows, summary
+
+
+# ---------------------------------------------------------------- trace
+
+
+def run_trace(ctx, args, log):
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    dev = ctx.device
+    x, y = batch(args.batch, dev, seed=ctx.rank)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    wrappers = {
+        "torch DDP cap=1": lambda: DDP(make_model(args, dev), bucket_cap_mb=1),
+        "BucketedDDP cap=1": lambda: BucketedDDP(make_model(args, dev), bucket_cap_mb=1),
+        "BucketedDDP cap=1 no overlap": lambda: BucketedDDP(make_model(args, dev),
+                                                            bucket_cap_mb=1, overlap=False),
+    }  # fmt: skip
+    rows, kept = [], None
+    bar = tqdm(total=len(wrappers), desc="trace", disable=args.hide)
+    for name, build in wrappers.items():
+        model = build()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for _ in range(max(1, args.warmup)):
+            F.cross_entropy(model(x), y).backward()
+        barrier(ctx)
+        with profile(activities=activities) as prof:
+            for _ in range(args.steps):
+                with record_function("forward"):
+                    loss = F.cross_entropy(model(x), y)
+                with record_function("backward"):
+                    loss.backward()
+                with record_function("optimizer"):
+                    opt.step()
+                    opt.zero_grad()
+                sync(ctx)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = pathlib.Path(tmp, "trace.json")
+            prof.export_chrome_trace(str(path))
+            events = load_trace(path)
+        report = overlap_report(events) if ctx.world_size > 1 else None
+        if name == "torch DDP cap=1":
+            kept = slim_trace(events)
+        # Every rank's overlap; the table shows rank 0's and the least of all.
+        frac = report["overlap_fraction"] if report else 0.0
+        least = -slowest(ctx, -frac)
+        rows.append({"mode": "trace", "setting": name, "world_size": ctx.world_size,
+                     "steps": args.steps,
+                     **({k: v for k, v in report.items()} if report else {}),
+                     "least_overlap_fraction_over_ranks": least})  # fmt: skip
+        bar.update()
+        barrier(ctx)
+    bar.close()
+    for r in rows:
+        if "overlap_fraction" in r:
+            log.info(f"{r['setting']}: {100 * r['overlap_fraction']:.0f}% of all-reduce time "
+                     "overlaps backward (rank 0)")  # fmt: skip
+    if args.chrome_trace and ctx.is_main:
+        out = pathlib.Path(args.chrome_trace)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(kept) + "\n")
+    return rows, {}
+
+
+RUN = {"collectives": run_collectives, "scaling": run_scaling, "knobs": run_knobs,
+       "model": run_model, "trace": run_trace}  # fmt: skip
+
+
+def main():
+    args = parse_args()
+    with distributed(group_of_one=True) as ctx:
+        args.hide = args.no_progress or not ctx.is_main
+        log = get_logger(ctx)
+        rows, summary = [], {}
+        for mode in args.modes:
+            mode_rows, summary[mode] = RUN[mode](ctx, args, log)
+            rows += mode_rows
+        if ctx.is_main and args.results:
+            shown = {k: v for k, v in vars(args).items() if k != "hide"}
+            meta = run_metadata() | {"world_size": ctx.world_size, "backend": ctx.backend,
+                                     "device": str(ctx.device), "args": shown}  # fmt: skip
+            json_path, csv_path = write_records(args.results, rows, meta, summary=summary)
+            log.info(f"wrote {json_path.name} and {csv_path.name}")
+
+
+if __name__ == "__main__":
+    main()
