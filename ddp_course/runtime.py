@@ -246,8 +246,9 @@ def distributed(
         timeout_s: collective timeout in seconds; a short one turns a hang
             (mismatched collectives, uneven inputs) into an error.
         group_of_one: as a plain ``python`` process, still create a process
-            group, of one rank over an in-memory store (gloo unless
-            ``backend`` says otherwise), so code that calls collectives or
+            group, of one rank over an in-memory store (the device's
+            backend unless ``backend`` says otherwise: nccl on a GPU, gloo
+            on the CPU), so code that calls collectives or
             wraps a model in DDP runs unchanged with world size 1.
 
     Yields:
@@ -287,8 +288,9 @@ def distributed(
             kwargs.update(store=store, rank=rank, world_size=world_size)
         dist.init_process_group(backend=name, **kwargs)
     elif group_of_one:
-        name = backend or "gloo"
-        dist.init_process_group(name, store=dist.HashStore(), rank=0, world_size=1)
+        name = backend or pick_backend(dev)
+        extra = {"device_id": dev} if name == "nccl" else {}
+        dist.init_process_group(name, store=dist.HashStore(), rank=0, world_size=1, **extra)
     ctx = DistContext(rank, local_rank, world_size, local_world_size, dev, name)
     try:
         yield ctx

@@ -45,3 +45,18 @@ def test_torch_and_scratch_data_parallel_give_the_same_gradients():
     for plain, torch_dp, scratch in zip(*grads, strict=True):
         torch.testing.assert_close(torch_dp, plain, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(scratch, plain, rtol=1e-4, atol=1e-5)
+
+
+@needs_gpu
+def test_a_plain_process_group_of_one_uses_nccl_on_a_gpu(monkeypatch):
+    import torch.distributed as dist
+
+    from ddp_course import runtime
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", runtime.DEVICE_ENV):
+        monkeypatch.delenv(name, raising=False)
+    with runtime.distributed(group_of_one=True) as ctx:
+        assert (ctx.device.type, ctx.backend) == ("cuda", "nccl")
+        t = torch.ones(1, device=ctx.device)
+        dist.all_reduce(t)
+        assert t.item() == 1.0

@@ -96,7 +96,7 @@ def test_seed_everything_repeats_draws():
 
 
 def test_group_of_one_runs_collectives_and_is_destroyed(no_torchrun_env):
-    with runtime.distributed(group_of_one=True) as ctx:
+    with runtime.distributed(device="cpu", group_of_one=True) as ctx:
         assert (ctx.world_size, ctx.backend, ctx.is_distributed) == (1, "gloo", True)
         t = torch.tensor([3.0])
         dist.all_reduce(t)  # a group of one: the sum is the tensor itself
