@@ -7,7 +7,7 @@ Modes (one or several per run; each row of the results names its mode):
   knobs        bucket_cap_mb sweep, no_sync accumulation, fp16/bf16 compression hooks,
                lesson 07's BucketedDDP against torch's DDP
   model        t_step = t_forward + t_backward + exposed all-reduce + t_optimizer against
-               BucketedDDP's measured step time for several bucket caps
+               BucketedDDP's measured step time for several bucket caps (any world size)
   trace        torch.profiler traces of DDP steps: how much all-reduce time overlaps backward
 
 Recorded runs, from the repository root (minutes each):
@@ -18,6 +18,10 @@ Recorded runs, from the repository root (minutes each):
     torchrun --nproc_per_node=2 scripts/10_benchmark.py knobs model trace \
         --chrome-trace benchmarks/cpu-2core/10_trace_rank0.json \
         --results benchmarks/cpu-2core/10_knobs_model_trace.json
+    torchrun --nproc_per_node=1 scripts/10_benchmark.py model \
+        --results benchmarks/cpu-2core/10_model_nproc1.json
+    torchrun --nproc_per_node=4 scripts/10_benchmark.py model \
+        --results benchmarks/cpu-2core/10_model_nproc4.json
 A tiny run of every mode (seconds), also as one plain process:
     python scripts/10_benchmark.py all --tiny
     torchrun --nproc_per_node=2 scripts/10_benchmark.py all --tiny
@@ -47,6 +51,7 @@ from tqdm import tqdm
 
 from ddp_course.bench import (
     COLLECTIVES,
+    AlphaBeta,
     algbw,
     busbw,
     busbw_plateau,
@@ -379,28 +384,28 @@ def run_model(ctx, args, log):
     rows = [{"mode": "model", "setting": "all_reduce", "bytes": r["bytes"],
              "world_size": ctx.world_size, "median_s": r["median_s"], "iqr_s": r["iqr_s"]}
             for r in ar_rows]  # fmt: skip
-    fit = fit_each(ar_rows)["all_reduce"] if ctx.world_size > 1 else None
+    # One rank communicates nothing: the model is its compute alone.
+    fit = fit_each(ar_rows)["all_reduce"] if ctx.world_size > 1 else AlphaBeta(0.0, 0.0)
     for cap in args.caps:
         buckets = wrapped[cap].bucket_bytes()
         measured = stats(times[("BucketedDDP", cap)])
         row = {"mode": "model", "setting": "BucketedDDP", "bucket_cap_mb": cap,
                "buckets": len(buckets), "bytes": sum(buckets), "world_size": ctx.world_size,
                **measured}  # fmt: skip
-        if fit is not None:
-            predicted = model.predict(buckets, fit, ctx.world_size)
-            # On shared CPU cores gloo's copies and sums take the cores backward runs on,
-            # so "overlapped" communication is not free: the bound without any overlap.
-            serial = sum(compute_s.values()) + sum(float(fit.predict(b)) for b in buckets)
-            row |= {"predicted_s": predicted,
-                    "exposed_comm_s": model.exposed(buckets, fit, ctx.world_size),
-                    "no_overlap_s": serial,
-                    "predicted_over_measured": predicted / measured["median_s"],
-                    "no_overlap_over_measured": serial / measured["median_s"]}  # fmt: skip
-            log.info(f"cap {cap:g} MB: predicted {1e3 * predicted:.1f} ms, "
-                     f"measured {1e3 * measured['median_s']:.1f} ms")  # fmt: skip
+        predicted = model.predict(buckets, fit, ctx.world_size)
+        # On shared CPU cores gloo's copies and sums take the cores backward runs on,
+        # so "overlapped" communication is not free: the bound without any overlap.
+        serial = sum(compute_s.values()) + sum(float(fit.predict(b)) for b in buckets)
+        row |= {"predicted_s": predicted,
+                "exposed_comm_s": model.exposed(buckets, fit, ctx.world_size),
+                "no_overlap_s": serial,
+                "predicted_over_measured": predicted / measured["median_s"],
+                "no_overlap_over_measured": serial / measured["median_s"]}  # fmt: skip
+        log.info(f"cap {cap:g} MB: predicted {1e3 * predicted:.1f} ms, "
+                 f"measured {1e3 * measured['median_s']:.1f} ms")  # fmt: skip
         rows.append(row)
     summary = {"compute_s": compute_s, "gradient_bytes": grad_bytes}
-    if fit is not None:
+    if ctx.world_size > 1:
         summary["all_reduce_fit"] = {"alpha_s": fit.alpha, "bandwidth_GBps": fit.bandwidth / 1e9}
     return rows, summary
 
