@@ -18,7 +18,7 @@ BATCH, WIDTH = 32, 32
 # latency adds idle time that the formula leaves out; it weighs most where the formula is
 # smallest, 2 stages and 8 micro-batches (1/9), which is left to the recorded grid (the
 # notebook asserts it) so that a busy CI machine does not make this test flaky.
-COST_S = {2: 0.08, 4: 0.05}
+COST_S = {2: 0.12, 4: 0.06}
 MICROBATCHES = {2: [1, 2, 4], 4: [1, 2, 4, 8]}
 
 
@@ -57,14 +57,29 @@ def test_pipeline_as_plain_python(root):
         assert run["peak_in_flight"] == [m if name == "gpipe" else 1], name
 
 
+def off_the_formula(r, p):
+    """(schedule, m, rank) -> measured bubble, where it is not within 10% of the formula."""
+    off = {}
+    for run in r["runs"]:
+        expected = bubble_formula(p, run["microbatches"])
+        for k, b in enumerate(run["bubbles"]):
+            if abs(b - expected) > 0.1 * expected:
+                off[(run["schedule"], run["microbatches"], k)] = (b, expected)
+    return off
+
+
 @pytest.mark.parametrize("p", [2, 4])
 def test_pipeline_bubble_and_memory_under_torchrun(root, p):
     ms = MICROBATCHES[p]
     args = ["--schedule", "gpipe", "1f1b", "--microbatches", *map(str, ms),
             "--stage-cost-s", str(COST_S[p]), "--batch-size", str(BATCH),
             "--width", str(WIDTH)]  # fmt: skip
-    r = launch.torchrun(root / "scripts/08_pipeline.py", args, nproc=p, results=True,
-                        echo=False, timeout_s=180).results  # fmt: skip
+
+    def job():
+        return launch.torchrun(root / "scripts/08_pipeline.py", args, nproc=p, results=True,
+                               echo=False, timeout_s=180).results  # fmt: skip
+
+    r = job()
     check_common(r, p)
     runs = {(run["schedule"], run["microbatches"]): run for run in r["runs"]}
     # 1F1B needs as many micro-batches as stages; the script skips the others.
@@ -76,15 +91,22 @@ def test_pipeline_bubble_and_memory_under_torchrun(root, p):
             peer = e.rank - 1 if e.action.kind == "F" else e.rank + 1
             if 0 <= peer < p:
                 assert e.start >= ends[(peer, e.action)], (name, m, e)
-        # Sleeping stages: every rank's idle fraction within 10% of GPipe's formula.
-        expected = bubble_formula(p, m)
-        assert run["bubbles"] == [pytest.approx(expected, rel=0.1)] * p, (name, m)
         # Activations held at once: m for GPipe, p - k (so at most p) for 1F1B.
         if name == "gpipe":
             assert run["peak_in_flight"] == [m] * p
         else:
             assert run["peak_in_flight"] == [p - k for k in range(p)]
             assert max(run["peak_in_flight"]) <= p
+    # Sleeping stages: every rank's idle fraction within 10% of GPipe's formula. A machine
+    # busy with other jobs delays messages (idle time the formula leaves out), so a miss is
+    # measured once more before it counts; a wrong schedule or timer misses both times.
+    off = off_the_formula(r, p)
+    if off:
+        print(f"off the formula on the first run: {off}; measuring again")
+        again = job()
+        check_common(again, p)
+        off = off_the_formula(again, p)
+    assert off == {}, off
 
 
 def test_tensor_parallel_as_plain_python(root):
