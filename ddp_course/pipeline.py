@@ -593,6 +593,13 @@ def _recv(peer: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return tensor
 
 
+def _clock(device: torch.device) -> float:
+    """``time.perf_counter()`` once the device's queued kernels are done (CUDA runs async)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def run_schedule(
     table: Schedule,
     stage: nn.Module,
@@ -673,7 +680,7 @@ def run_schedule(
                 x = inputs[i].to(device)
             else:
                 x = _recv(rank - 1, dtype, device).requires_grad_()
-            start = time.perf_counter()
+            start = _clock(device)
             out = stage(x)
             if last:
                 out = loss_fn(out, targets[i].to(device)) * (len(targets[i]) / total)
@@ -685,13 +692,13 @@ def run_schedule(
                 sent += _send(out, rank + 1, pending)
         else:
             grad = None if last else _recv(rank + 1, dtype, device)
-            start = time.perf_counter()
+            start = _clock(device)
             x, out = held.pop(i)  # frees micro-batch i's activations after backward
             out.backward(grad)
             time.sleep(backward_sleep_s)
             if not first:
                 sent += _send(x.grad, rank - 1, pending)
-        events.append(Event(rank, action, start, time.perf_counter()))
+        events.append(Event(rank, action, start, _clock(device)))
     for work, _ in pending:
         work.wait()
     return StepResult(events, peak, loss_sum if last else None, sent)
