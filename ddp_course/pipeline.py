@@ -552,7 +552,8 @@ class StepResult:
     Attributes:
         events: this rank's actions with start and end times (seconds of
             ``time.perf_counter``, one clock for all processes of a machine);
-            an action starts when its input has arrived, so waiting is idle time.
+            an action starts when its input has arrived, so waiting is idle time,
+            and ends when its output is ready, before the send is posted.
         peak_in_flight: most micro-batches whose activations this rank held
             at once (counted in the executor, not read from the schedule).
         loss: the whole batch's loss (last stage; ``None`` elsewhere), equal
@@ -688,6 +689,9 @@ def run_schedule(
             held[i] = (x, out)
             peak = max(peak, len(held))
             time.sleep(forward_sleep_s)  # before the send: the output is ready after the "kernel"
+            # Stamped before the send is posted, so the next stage, which can only receive
+            # after that, never appears to start before this action ended.
+            end = _clock(device)
             if not last:
                 sent += _send(out, rank + 1, pending)
         else:
@@ -696,9 +700,10 @@ def run_schedule(
             x, out = held.pop(i)  # frees micro-batch i's activations after backward
             out.backward(grad)
             time.sleep(backward_sleep_s)
+            end = _clock(device)
             if not first:
                 sent += _send(x.grad, rank - 1, pending)
-        events.append(Event(rank, action, start, _clock(device)))
+        events.append(Event(rank, action, start, end))
     for work, _ in pending:
         work.wait()
     return StepResult(events, peak, loss_sum if last else None, sent)
