@@ -149,7 +149,9 @@ def main_run(args):
         for name in args.schedule:
             for m in args.microbatches:
                 if name == "1f1b" and m < ctx.world_size:
-                    continue  # 1F1B needs m >= stages (the schedule says why)
+                    log.info(f"1f1b p={ctx.world_size} m={m} skipped: 1F1B needs at least "
+                             "as many micro-batches as stages")  # fmt: skip
+                    continue
                 run = one_step(args, ctx, name, m, x, y, ref)
                 runs.append(run)
                 log.info(f"{name:5s} p={ctx.world_size} m={m}: bubble per rank "
@@ -160,6 +162,8 @@ def main_run(args):
                 if run["torch_grad_diff"] is not None:
                     log.info(f"      torch.distributed.pipelining: |grad - ours| <= "
                              f"{run['torch_grad_diff']:.1e}")  # fmt: skip
+        if not runs:
+            raise SystemExit("nothing to run: give 1F1B at least as many micro-batches as ranks")
         if ctx.is_main and args.results:
             with open(args.results, "w") as f:
                 json.dump({"world_size": ctx.world_size, "device": str(ctx.device),
