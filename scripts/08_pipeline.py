@@ -30,14 +30,11 @@ import os
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.nn.functional import cross_entropy
 
 from ddp_course import launch, pipeline
 from ddp_course.models import LayerStack
 from ddp_course.runtime import distributed, get_logger
-
-TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
 def parse_args():
@@ -51,6 +48,8 @@ def parse_args():
     p.add_argument("--batch-size", type=int, default=32, help="samples per step (all stages)")
     p.add_argument("--width", type=int, default=64, help="features between the layers")
     p.add_argument("--layers", type=int, default=4, help="hidden layers of the layer stack")
+    p.add_argument("--no-torch", action="store_true",
+                   help="skip the comparison with torch.distributed.pipelining")  # fmt: skip
     p.add_argument("--sweep", action="store_true", help="the p x m grid in one JSON (minutes)")
     p.add_argument("--sweep-stages", type=int, nargs="+", default=[2, 3, 4])
     p.add_argument("--results", help="write the measurements here as JSON (rank 0)")
@@ -86,15 +85,19 @@ def gather(obj, world_size):
 def torch_pipelining(args, ctx, name, m, x, y, ours):
     """The same step with torch.distributed.pipelining; largest |gradient - ours| on this rank.
 
-    None for the naive split (torch has no such schedule) and when m does not divide the
-    batch (torch averages the micro-batch losses with equal weights).
+    None for the naive split (torch has no such schedule), when m does not divide the
+    batch (torch averages the micro-batch losses with equal weights) and with --no-torch.
     """
-    if name == "naive" or len(x) % m:
+    if name == "naive" or len(x) % m or args.no_torch:
         return None
+    # Imported here: it pulls in torch's compiler and DTensor, seconds per process.
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
     p, k = ctx.world_size, ctx.rank
     theirs = pipeline.split_model(whole_model(args), p, k).to(ctx.device)
     stage = PipelineStage(theirs, k, p, ctx.device)
-    schedule = TORCH_SCHEDULES[name](stage, n_microbatches=m, loss_fn=cross_entropy)
+    torch_schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
+    schedule = torch_schedule(stage, n_microbatches=m, loss_fn=cross_entropy)
     if k == 0:
         schedule.step(x.to(ctx.device), **({"target": y.to(ctx.device)} if p == 1 else {}))
     elif k == p - 1:
