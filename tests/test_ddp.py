@@ -1,15 +1,12 @@
 """DDP on 2 and 3 gloo ranks equals one process on the global batch; what breaks it."""
 
 import pytest
-import torch
 
 from ddp_course import launch
-from ddp_course.checkpoint import load_checkpoint
-from ddp_course.engine import check_same_training, parameter_gap
-from ddp_course.models import SmallCNN
 
 
-@pytest.mark.parametrize("nproc", [2, 3])
+# 3 ranks: notebook 05 checks 2 ranks on the lesson's script.
+@pytest.mark.parametrize("nproc", [3])
 def test_ddp_matches_single_process_step_by_step(workers, nproc):
     job = launch.torchrun(workers / "ddp_equivalence.py", ["--steps", "5"], nproc=nproc,
                           results=True, echo=False, timeout_s=180)  # fmt: skip
@@ -25,39 +22,13 @@ def test_ddp_matches_single_process_step_by_step(workers, nproc):
     assert dist_eval["loss"] == pytest.approx(single["loss"], rel=1e-6)
 
 
-# Lesson 05's claim, checked on the lesson's own script with plain SGD, whose
-# step is lr x gradient: a gradient N times too large moves N times as far.
-SGD_RUN = ["--epochs", "1", "--max-steps", "5", "--no-dropout", "--no-progress",
-           "--optimizer", "sgd", "--lr", "0.1"]  # fmt: skip
-TOLERANCE = 1e-4  # the notebook's: float rounding of a different summation order
+# Lesson 05's own claim (SGD on 2 ranks equals one process; a summing all-reduce
+# fails the check by orders of magnitude) is asserted by notebook 05 itself under
+# nbval, on the lesson's script; these tests cover what the notebook does not run.
 
 
-def _trained(root, tmp_path, name, nproc, batch_size, *extra):
-    ckpt = tmp_path / f"{name}.pt"
-    args = [*SGD_RUN, "--batch-size", str(batch_size), "--checkpoint", str(ckpt), *extra]
-    script = root / "scripts/05_train_ddp.py"
-    if nproc == 1:
-        launch.python(script, args, echo=False)
-    else:
-        launch.torchrun(script, args, nproc=nproc, echo=False)
-    model = SmallCNN(dropout=False)
-    load_checkpoint(ckpt, model)
-    return model
-
-
-def test_summing_allreduce_fails_the_lesson_05_check(root, tmp_path):
-    torch.manual_seed(0)  # the script's seed: the weights before the first step
-    initial = SmallCNN(dropout=False)
-    one = _trained(root, tmp_path, "one", 1, 16)
-    averaged = _trained(root, tmp_path, "mean", 2, 8)
-    summed = _trained(root, tmp_path, "sum", 2, 8, "--grad-reduce", "sum")
-    check_same_training(one, averaged, initial, atol=TOLERANCE)  # DDP as it is: passes
-    with pytest.raises(AssertionError, match="did not take the same steps"):
-        check_same_training(one, summed, initial, atol=TOLERANCE)
-    assert parameter_gap(one, summed) > 100 * TOLERANCE  # by orders of magnitude
-
-
-@pytest.mark.parametrize("nproc", [2, 3])
+# 3 ranks: notebook 05 runs the same script with 2.
+@pytest.mark.parametrize("nproc", [3])
 def test_what_breaks_the_equivalence(root, nproc):
     job = launch.torchrun(root / "scripts/05_what_breaks.py", nproc=nproc, results=True,
                           echo=False)  # fmt: skip
