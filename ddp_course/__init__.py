@@ -6,7 +6,10 @@ synthetic data), ``models``, ``engine`` (train and exact evaluation),
 ``checkpoint``, ``collectives`` (ring and parameter-server all-reduce from
 point-to-point), ``comm_cost`` (the bytes each rank moves in those
 algorithms), ``async_sgd`` (synchronous against asynchronous parameter-server
-SGD, simulated), ``bench`` (timing, algbw/busbw, cost models), ``parallel``
+SGD, simulated), ``bench`` (timing, the slowest rank, algbw/busbw of every
+collective, alpha-beta fits, JSON/CSV records), ``scaling`` (strong/weak
+efficiency, Amdahl and Gustafson fits, a DDP step-time model), ``trace``
+(profiler Chrome traces: overlap of communication with backward), ``parallel``
 (a from-scratch DataParallel), ``ddp`` (DistributedDataParallel from scratch:
 per-parameter and bucketed, overlapped with backward), ``pipeline``
 (schedules as data, deadlock check, simulated and executed pipeline
