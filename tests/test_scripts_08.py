@@ -7,8 +7,9 @@ tests/test_pipeline.py (3 ranks) make it.
 
 Elsewhere: 3 stages in tests/test_pipeline.py and under nbval in notebook 08; 4 stages
 and the whole p x m grid, with naive and real compute, in
-benchmarks/cpu-2core/08_bubble.json (asserted by the notebook); the tensor-parallel MLP on 2 and 4 ranks in tests/test_tensor_parallel.py
-and the script on 2 ranks in the notebook.
+benchmarks/cpu-2core/08_bubble.json (asserted by the notebook); the tensor-parallel MLP
+on 2 and 4 ranks in tests/test_tensor_parallel.py and the script on 2 ranks in the
+notebook.
 """
 
 import pytest
