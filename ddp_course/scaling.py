@@ -68,6 +68,26 @@ def gustafson_speedup(serial_fraction: float, world_size: float | np.ndarray) ->
     return n - serial_fraction * (n - 1)
 
 
+def _points_beyond_one(
+    world_sizes: Sequence[float], speedups: Sequence[float], law: str
+) -> tuple[np.ndarray, np.ndarray]:
+    # The points a fit can use: N = 1 has speed-up 1 under either law, whatever s is.
+    n = np.asarray(world_sizes, dtype=float)
+    sp = np.asarray(speedups, dtype=float)
+    _check_n(n)
+    if n.shape != sp.shape or np.any(sp <= 0):
+        raise ValueError("need one positive speed-up per world size")
+    keep = n > 1
+    if not keep.any():
+        raise ValueError(f"need a point with more than one rank to fit {law}")
+    return n[keep], sp[keep]
+
+
+def _slope_through_origin(x: np.ndarray, y: np.ndarray) -> float:
+    # Least squares of y = s x, clipped to a fraction.
+    return float(np.clip(x @ y / (x @ x), 0.0, 1.0))
+
+
 def fit_amdahl(world_sizes: Sequence[float], speedups: Sequence[float]) -> float:
     """Serial fraction s that fits measured strong-scaling speed-ups best.
 
@@ -84,17 +104,8 @@ def fit_amdahl(world_sizes: Sequence[float], speedups: Sequence[float]) -> float
     Raises:
         ValueError: lengths differ, no point with N > 1, or a speed-up <= 0.
     """
-    n = np.asarray(world_sizes, dtype=float)
-    sp = np.asarray(speedups, dtype=float)
-    _check_n(n)
-    if n.shape != sp.shape or np.any(sp <= 0):
-        raise ValueError("need one positive speed-up per world size")
-    keep = n > 1
-    if not keep.any():
-        raise ValueError("need a point with more than one rank to fit Amdahl's law")
-    x = 1 - 1 / n[keep]
-    y = 1 / sp[keep] - 1 / n[keep]
-    return float(np.clip(x @ y / (x @ x), 0.0, 1.0))
+    n, sp = _points_beyond_one(world_sizes, speedups, "Amdahl's law")
+    return _slope_through_origin(1 - 1 / n, 1 / sp - 1 / n)
 
 
 def fit_gustafson(world_sizes: Sequence[float], scaled_speedups: Sequence[float]) -> float:
@@ -109,17 +120,8 @@ def fit_gustafson(world_sizes: Sequence[float], scaled_speedups: Sequence[float]
     Raises:
         ValueError: as :func:`fit_amdahl`.
     """
-    n = np.asarray(world_sizes, dtype=float)
-    sp = np.asarray(scaled_speedups, dtype=float)
-    _check_n(n)
-    if n.shape != sp.shape or np.any(sp <= 0):
-        raise ValueError("need one positive speed-up per world size")
-    keep = n > 1
-    if not keep.any():
-        raise ValueError("need a point with more than one rank to fit Gustafson's law")
-    x = n[keep] - 1
-    y = n[keep] - sp[keep]
-    return float(np.clip(x @ y / (x @ x), 0.0, 1.0))
+    n, sp = _points_beyond_one(world_sizes, scaled_speedups, "Gustafson's law")
+    return _slope_through_origin(n - 1, n - sp)
 
 
 def efficiency_table(
