@@ -421,7 +421,7 @@ def _run_job(
         _dump_python_stacks(proc, script)
         _kill_job(proc)
         reader.join(timeout=5)
-        logs = rank_logs() if logs_path else {0: "".join(lines)}
+        logs = rank_logs()
         raise LaunchTimeout(
             f"{script.name} ran past its {timeout_s:g} s timeout with {nproc} "
             "rank(s); every process of the job was killed. A hang usually means "
