@@ -82,8 +82,8 @@ def test_bad_input_raises_value_error():
 # --- several processes: compared with dist.all_reduce inside the worker ------
 
 
-# N=2 runs in notebook 04 (and its script test); 3 is uneven, 4 a power of two.
-@pytest.fixture(scope="module", params=[3, 4], ids=lambda n: f"N={n}")
+# 3 ranks, uneven chunks; notebook 04 checks the ring at 2, 3 and 4 ranks on its script.
+@pytest.fixture(scope="module", params=[3], ids=lambda n: f"N={n}")
 def launched(request):
     n = request.param
     result = launch.torchrun(WORKER, nproc=n, results=True, echo=False, timeout_s=180)

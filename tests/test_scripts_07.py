@@ -75,9 +75,4 @@ def test_lesson07_benchmark_under_torchrun(root, tmp_path):
     assert out.exists() and out.with_suffix(".png").exists()
 
 
-def test_lesson07_unused_parameter_error_is_torchs(root):
-    with pytest.raises(launch.LaunchError) as info:
-        launch.torchrun(root / "scripts/07_ddp_knobs.py", ["--unused-error"], nproc=2,
-                        echo=False, timeout_s=180)  # fmt: skip
-    text = "".join(info.value.logs.values())
-    assert "Expected to have finished reduction" in text
+# The --unused-error run (torch names the unused parameter) is asserted by notebook 07.
