@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch.nn.functional import cross_entropy
 
 from ddp_course import launch, pipeline
+from ddp_course.engine import write_results
 from ddp_course.models import LayerStack
 from ddp_course.runtime import distributed, get_logger
 
@@ -170,12 +171,11 @@ def main_run(args):
                              f"{run['torch_grad_diff']:.1e}")  # fmt: skip
         if not runs:
             raise SystemExit("nothing to run: give 1F1B at least as many micro-batches as ranks")
-        if ctx.is_main and args.results:
-            with open(args.results, "w") as f:
-                json.dump({"world_size": ctx.world_size, "device": str(ctx.device),
-                           "stage_cost_s": args.stage_cost_s, "batch_size": args.batch_size,
-                           "width": args.width, "layers": args.layers,
-                           "torch": torch.__version__, "runs": runs}, f)  # fmt: skip
+        write_results(ctx, args.results,
+                      {"world_size": ctx.world_size, "device": str(ctx.device),
+                       "stage_cost_s": args.stage_cost_s, "batch_size": args.batch_size,
+                       "width": args.width, "layers": args.layers,
+                       "torch": torch.__version__, "runs": runs})  # fmt: skip
 
 
 def sweep(args):

@@ -19,7 +19,6 @@ dist.all_reduce, and writes them to --results (rank 0).
 
 import argparse
 import contextlib
-import json
 
 import torch
 import torch.distributed as dist
@@ -31,6 +30,7 @@ from torch.nn.functional import mse_loss
 
 from ddp_course import comm_cost
 from ddp_course import tensor_parallel as tp
+from ddp_course.engine import write_results
 from ddp_course.runtime import distributed, get_logger
 
 
@@ -143,9 +143,7 @@ def main():
                  f"|parallelize_module - ours| <= {max(torch_diffs.values()):.1e}; "
                  f"{len(calls)} all-reduces of {payload} bytes for {args.blocks} blocks; "
                  f"CommDebugMode, ours {our_counts}, torch {torch_counts}")  # fmt: skip
-        if ctx.is_main and args.results:
-            with open(args.results, "w") as f:
-                json.dump(result, f)
+        write_results(ctx, args.results, result)
 
 
 if __name__ == "__main__":

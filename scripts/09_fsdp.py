@@ -25,7 +25,6 @@ load DIR/sharded/; gathered to rank 0 they must equal DIR/full.pt.
 """
 
 import argparse
-import json
 import pathlib
 import warnings
 
@@ -48,6 +47,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_course.data import synthetic_classification
+from ddp_course.engine import write_results
 from ddp_course.models import MLP
 from ddp_course.runtime import distributed, get_logger, pick_backend, pick_device
 from ddp_course.sharding import FP32_ADAM, held_bytes, state_bytes_per_rank
@@ -250,9 +250,7 @@ def main():
                 folder = pathlib.Path(args.checkpoint)
                 results["reload"] = resume_checkpoint(args, folder, ctx, mesh)
                 log.info(f"loaded it back at world size {ctx.world_size}: equal")
-        if ctx.is_main and args.results:
-            with open(args.results, "w") as f:
-                json.dump(results, f)
+        write_results(ctx, args.results, results)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ it on sub-groups of its first 1, 2, ..., N ranks. Rank 0 writes --results.
 """
 
 import argparse
-import json
 
 import torch
 import torch.distributed as dist
@@ -25,6 +24,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_course.data import synthetic_classification
+from ddp_course.engine import write_results
 from ddp_course.models import MLP
 from ddp_course.runtime import distributed, get_logger, pick_backend, pick_device
 from ddp_course.sharding import FP32_ADAM, Zero, held_bytes, state_bytes_per_rank
@@ -143,10 +143,9 @@ def main():
                      f"rank 0 holds {sum(held.values()) / 1e6:.3f} MB "
                      f"(formula {sum(r['formula'].values()) / 1e6:.3f}), "
                      f"sent {r['sent_bytes'] / 1e6:.3f} MB in a step")  # fmt: skip
-        if ctx.is_main and args.results:
-            with open(args.results, "w") as f:
-                json.dump({"world_size": ctx.world_size, "device": ctx.device.type,
-                           "steps": args.steps, "rows": rows}, f)  # fmt: skip
+        write_results(ctx, args.results, {"world_size": ctx.world_size,
+                                          "device": ctx.device.type, "steps": args.steps,
+                                          "rows": rows})  # fmt: skip
 
 
 if __name__ == "__main__":
