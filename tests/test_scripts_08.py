@@ -48,7 +48,9 @@ def check_common(r, p):
 
 def test_pipeline_as_plain_python(root):
     # 3 micro-batches of 11, 11 and 10 samples (weighted by share), 4 of 8 (torch too).
-    args = ["--microbatches", "3", "4", "--stage-cost-s", "0", "--batch-size", str(BATCH),
+    # Sleeping stages: with compute alone a step lasts milliseconds, and the loop's own
+    # overhead between actions could pass for idle time.
+    args = ["--microbatches", "3", "4", "--stage-cost-s", "0.02", "--batch-size", str(BATCH),
             "--width", str(WIDTH)]  # fmt: skip
     r = launch.python(root / "scripts/08_pipeline.py", args, results=True, echo=False,
                       timeout_s=120).results  # fmt: skip
