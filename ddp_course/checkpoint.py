@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import pathlib
 import pickle
+import random
 import tempfile
 from typing import Any
 
@@ -28,7 +29,14 @@ from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from .runtime import DistContext, barrier
 
-__all__ = ["load_checkpoint", "portable_state_dict", "save_checkpoint", "unwrap"]
+__all__ = [
+    "load_checkpoint",
+    "portable_state_dict",
+    "restore_rng_states",
+    "rng_states",
+    "save_checkpoint",
+    "unwrap",
+]
 
 
 # The prefixes wrappers put in front of the wrapped model's keys: DP and DDP
@@ -141,3 +149,36 @@ def load_checkpoint(
     if optimizer is not None and opt_state is not None:
         optimizer.load_state_dict(opt_state)
     return payload
+
+
+def rng_states() -> dict[str, Any]:
+    """This process's random-number generators, to store in a snapshot.
+
+    Returns:
+        ``{"python": random.getstate(), "torch": uint8 CPU tensor,
+        "cuda": [uint8 tensor per GPU]}`` (``cuda`` empty without CUDA): plain
+        values and tensors only, so a snapshot holding them loads with
+        ``weights_only=True``. NumPy's generator is not included (the course's
+        scripts draw nothing from it after seeding).
+    """
+    return {
+        "python": random.getstate(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def restore_rng_states(states: dict[str, Any]) -> None:
+    """Set the generators back to what :func:`rng_states` returned.
+
+    ``weights_only`` loading turns the Python state's tuples into lists;
+    they are turned back here.
+
+    Raises:
+        KeyError: ``states`` lacks ``"python"`` or ``"torch"``.
+    """
+    version, internal, gauss = states["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(states["torch"].cpu())
+    if states.get("cuda") and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in states["cuda"]])
