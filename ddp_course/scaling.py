@@ -11,7 +11,8 @@
 - Step time of DDP: ``t_step = t_forward + t_backward + exposed communication
   + t_optimizer``. Buckets are all-reduced in order while backward runs (Li
   et al., "PyTorch Distributed", VLDB 2020, section 3.2.3); only the part
-  of their all-reduce that outlasts backward is exposed.
+  of their all-reduce that outlasts backward is exposed, and only where the
+  communication has hardware of its own to run on (:func:`comm_can_overlap`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from .bench import AlphaBeta
 __all__ = [
     "StepTimeModel",
     "amdahl_speedup",
+    "comm_can_overlap",
     "efficiency_table",
     "exposed_comm",
     "fit_amdahl",
@@ -197,30 +199,71 @@ def exposed_comm(
     return max(0.0, end - backward_s)
 
 
+def comm_can_overlap(device_type: str, world_size: int, threads_per_rank: int, cpus: int) -> bool:
+    """Whether gradient all-reduces can run while backward computes, without slowing it.
+
+    On a GPU, NCCL runs on a CUDA stream of its own and the copy engines and
+    links move the bytes, so communication can hide behind backward (Li et
+    al., VLDB 2020, section 3.2.3). On a CPU, gloo's copies and sums are CPU
+    work: they hide only if a core is left over once every rank's compute
+    threads have one (``world_size * threads_per_rank < cpus``); otherwise
+    they take cores backward needs, and every bucket's time adds to the step.
+
+    Args:
+        device_type: ``"cuda"`` or ``"cpu"`` (``torch.device.type``).
+        world_size: ranks on this machine.
+        threads_per_rank: compute threads per rank (``torch.get_num_threads()``).
+        cpus: CPU cores of the machine (``os.cpu_count()``).
+
+    Raises:
+        ValueError: a count below 1.
+    """
+    if min(world_size, threads_per_rank, cpus) < 1:
+        raise ValueError(
+            f"need world_size, threads_per_rank and cpus >= 1, got "
+            f"{world_size}, {threads_per_rank}, {cpus}"
+        )
+    if device_type == "cuda":
+        return True
+    return world_size * threads_per_rank < cpus
+
+
 @dataclasses.dataclass(frozen=True)
 class StepTimeModel:
     """``t_step = t_forward + t_backward + exposed communication + t_optimizer``, seconds.
 
-    Compute times are measured on one rank without communication; the
-    communication comes from the alpha-beta fit of all_reduce at the world
-    size and from the bucket sizes. Without better knowledge, bucket i is
-    taken to be ready when backward has produced the gradients of buckets
-    0..i, in proportion to their bytes (backward runs roughly from the last
-    layer to the first, the order DDP fills buckets in).
+    The compute terms are measured on every rank at once, through the same
+    DDP wrapper in a process group of one rank: so they include the
+    wrapper's own work (its hooks, the copies of the gradients into flat
+    buckets and back, the final callback), everything but the
+    communication. The communication comes from the alpha-beta fit of
+    all_reduce at the world size and from the bucket sizes.
+
+    With ``overlap`` (see :func:`comm_can_overlap`), bucket i is taken to be
+    ready when backward has produced the gradients of buckets 0..i, in
+    proportion to their bytes (backward runs roughly from the last layer to
+    the first, the order DDP fills buckets in), and only the all-reduce time
+    that outlasts backward is exposed. Without it, every bucket's all-reduce
+    is exposed: the buckets' times add up after backward.
 
     Attributes:
-        forward_s, backward_s, optimizer_s: compute times of one step, seconds.
+        forward_s, backward_s, optimizer_s: compute times of one step,
+            seconds, wrapper included.
+        overlap: whether communication can run while backward computes.
     """
 
     forward_s: float
     backward_s: float
     optimizer_s: float
+    overlap: bool = True
 
     def ready_times(self, bucket_bytes: Sequence[float]) -> list[float]:
         """When each bucket is full, seconds into backward (proportional to bytes)."""
         total = float(sum(bucket_bytes))
         if total <= 0:
             raise ValueError("buckets hold no bytes")
+        if not self.overlap:  # nothing starts before backward has ended
+            return [self.backward_s] * len(bucket_bytes)
         return list(self.backward_s * np.cumsum(bucket_bytes) / total)
 
     def exposed(
@@ -235,6 +278,10 @@ class StepTimeModel:
     def predict(
         self, bucket_bytes: Sequence[float], all_reduce: AlphaBeta, world_size: int
     ) -> float:
-        """Predicted step time in seconds."""
+        """Predicted step time in seconds.
+
+        Raises:
+            ValueError: the buckets hold no bytes.
+        """
         compute = self.forward_s + self.backward_s + self.optimizer_s
         return compute + self.exposed(bucket_bytes, all_reduce, world_size)

@@ -64,7 +64,13 @@ from ddp_course.bench import (
 from ddp_course.ddp import BucketedDDP
 from ddp_course.models import LayerStack
 from ddp_course.runtime import barrier, distributed, get_logger
-from ddp_course.scaling import StepTimeModel, efficiency_table, fit_amdahl, fit_gustafson
+from ddp_course.scaling import (
+    StepTimeModel,
+    comm_can_overlap,
+    efficiency_table,
+    fit_amdahl,
+    fit_gustafson,
+)
 from ddp_course.trace import load_trace, overlap_report, slim_trace
 
 MODES = ["collectives", "scaling", "knobs", "model", "trace"]
@@ -339,29 +345,47 @@ def run_knobs(ctx, args, log):
 # ---------------------------------------------------------------- model
 
 
-def run_model(ctx, args, log):
-    dev = ctx.device
-    x, y = batch(args.batch, dev, seed=ctx.rank)
-    plain = make_model(args, dev)
-    opt = torch.optim.SGD(plain.parameters(), lr=0.01)
-    phase = {}
+def phased_step(model, x, y, ctx, phases):
+    """train_step's SGD step, timing its forward, backward and optimizer into ``phases``."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
-    def compute():
-        # Every rank computes at once, as in DDP, without communicating.
+    def step():
         opt.zero_grad()
         t0 = time.perf_counter()
-        loss = F.cross_entropy(plain(x), y)
+        loss = F.cross_entropy(model(x), y)
+        sync(ctx)
         t1 = time.perf_counter()
         loss.backward()
+        sync(ctx)
         t2 = time.perf_counter()
         opt.step()
         sync(ctx)
-        phase.setdefault("forward", []).append(t1 - t0)
-        phase.setdefault("backward", []).append(t2 - t1)
-        phase.setdefault("optimizer", []).append(time.perf_counter() - t2)
+        for name, seconds in (("forward", t1 - t0), ("backward", t2 - t1),
+                              ("optimizer", time.perf_counter() - t2)):  # fmt: skip
+            phases.setdefault(name, []).append(seconds)
 
-    settings = {"compute": compute}
-    grad_bytes = sum(p.numel() * p.element_size() for p in plain.parameters())
+    return step
+
+
+def phase_medians(ctx, phases, warmup):
+    """Per phase: the slowest rank of each timed repeat, then the median (seconds)."""
+    return {k: summarize([slowest(ctx, t) for t in v[warmup:]]).median for k, v in phases.items()}
+
+
+def run_model(ctx, args, log):
+    dev = ctx.device
+    x, y = batch(args.batch, dev, seed=ctx.rank)
+    # NEW: compute is timed through the same wrapper in a group of one rank per rank: its
+    # hooks and its copies into and out of the buckets, all but the communication. Every
+    # rank computes at once, as in DDP. The plain model without wrapper is timed beside it.
+    solo = [dist.new_group([r]) for r in range(ctx.world_size)][ctx.rank]
+    phases = {"plain": {}}
+    settings = {"plain": phased_step(make_model(args, dev), x, y, ctx, phases["plain"])}
+    for cap in args.caps:
+        phases[cap] = {}
+        solo_ddp = BucketedDDP(make_model(args, dev), bucket_cap_mb=cap, process_group=solo)
+        settings[("compute", cap)] = phased_step(solo_ddp, x, y, ctx, phases[cap])
+    grad_bytes = sum(p.numel() * p.element_size() for p in make_model(args, dev).parameters())
     sizes = message_sizes(16384, max(2 * grad_bytes, 32768), 4)
     for size in sizes:
         settings[("all_reduce", size)] = collective_fn("all_reduce", size, ctx)[0]
@@ -369,16 +393,16 @@ def run_model(ctx, args, log):
     for cap in args.caps:
         wrapped[cap] = BucketedDDP(make_model(args, dev), bucket_cap_mb=cap)
         settings[("BucketedDDP", cap)] = train_step(wrapped[cap], x, y)
+    # Does overlap buy anything here? The smallest cap of 1 MB or more with overlap off.
+    probe = min((c for c in args.caps if c >= 1), default=max(args.caps))
+    if ctx.world_size > 1:
+        late = BucketedDDP(make_model(args, dev), bucket_cap_mb=probe, overlap=False)
+        settings[("no overlap", probe)] = train_step(late, x, y)
     bar = tqdm(total=len(settings) * args.repeats, desc="model", disable=args.hide)
     times = interleaved(settings, ctx, args, bar)
     bar.close()
-    n_warm = args.warmup
-    # Per phase: the slowest rank of each repeat, then the median.
-    compute_s = {}
-    for k, v in phase.items():
-        per_repeat = [slowest(ctx, t) for t in v[n_warm:]]
-        compute_s[k] = summarize(per_repeat).median
-    model = StepTimeModel(compute_s["forward"], compute_s["backward"], compute_s["optimizer"])
+    compute_s = {k: phase_medians(ctx, v, args.warmup) for k, v in phases.items()}
+    plain_s = sum(compute_s["plain"].values())
     ar_rows = [{"collective": "all_reduce", "bytes": s, **stats(times[("all_reduce", s)])}
                for s in sizes]  # fmt: skip
     rows = [{"mode": "model", "setting": "all_reduce", "bytes": r["bytes"],
@@ -386,27 +410,39 @@ def run_model(ctx, args, log):
             for r in ar_rows]  # fmt: skip
     # One rank communicates nothing: the model is its compute alone.
     fit = fit_each(ar_rows)["all_reduce"] if ctx.world_size > 1 else AlphaBeta(0.0, 0.0)
+    overlap = comm_can_overlap(dev.type, ctx.world_size, torch.get_num_threads(),
+                               os.cpu_count() or 1)  # fmt: skip
     for cap in args.caps:
         buckets = wrapped[cap].bucket_bytes()
         measured = stats(times[("BucketedDDP", cap)])
-        row = {"mode": "model", "setting": "BucketedDDP", "bucket_cap_mb": cap,
-               "buckets": len(buckets), "bytes": sum(buckets), "world_size": ctx.world_size,
-               **measured}  # fmt: skip
+        c = compute_s[cap]
+        terms = (c["forward"], c["backward"], c["optimizer"])
+        model = StepTimeModel(*terms, overlap=overlap)
         predicted = model.predict(buckets, fit, ctx.world_size)
-        # On shared CPU cores gloo's copies and sums take the cores backward runs on,
-        # so "overlapped" communication is not free: the bound without any overlap.
-        serial = sum(compute_s.values()) + sum(float(fit.predict(b)) for b in buckets)
-        row |= {"predicted_s": predicted,
-                "exposed_comm_s": model.exposed(buckets, fit, ctx.world_size),
-                "no_overlap_s": serial,
-                "predicted_over_measured": predicted / measured["median_s"],
-                "no_overlap_over_measured": serial / measured["median_s"]}  # fmt: skip
+        exposed = model.exposed(buckets, fit, ctx.world_size)
+        # Both assumptions about overlap, whichever the model takes here.
+        hidden = StepTimeModel(*terms, overlap=True).predict(buckets, fit, ctx.world_size)
+        serial = StepTimeModel(*terms, overlap=False).predict(buckets, fit, ctx.world_size)
+        rows.append({"mode": "model", "setting": "BucketedDDP", "bucket_cap_mb": cap,
+                     "buckets": len(buckets), "bytes": sum(buckets),
+                     "world_size": ctx.world_size, **measured,
+                     "forward_s": c["forward"], "backward_s": c["backward"],
+                     "optimizer_s": c["optimizer"], "wrapper_s": sum(terms) - plain_s,
+                     "overlap": overlap, "exposed_comm_s": exposed,
+                     "predicted_s": predicted, "overlapped_s": hidden, "no_overlap_s": serial,
+                     "without_wrapper_s": predicted - sum(terms) + plain_s,
+                     "predicted_over_measured": predicted / measured["median_s"],
+                     "overlapped_over_measured": hidden / measured["median_s"],
+                     "no_overlap_over_measured": serial / measured["median_s"]})  # fmt: skip
         log.info(f"cap {cap:g} MB: predicted {1e3 * predicted:.1f} ms, "
                  f"measured {1e3 * measured['median_s']:.1f} ms")  # fmt: skip
-        rows.append(row)
-    summary = {"compute_s": compute_s, "gradient_bytes": grad_bytes}
+    summary = {"compute_s": compute_s["plain"], "gradient_bytes": grad_bytes, "overlap": overlap,
+               "threads_per_rank": torch.get_num_threads(), "cpus": os.cpu_count()}  # fmt: skip
     if ctx.world_size > 1:
         summary["all_reduce_fit"] = {"alpha_s": fit.alpha, "bandwidth_GBps": fit.bandwidth / 1e9}
+        on, off = stats(times[("BucketedDDP", probe)]), stats(times[("no overlap", probe)])
+        summary["overlap_probe"] = {"bucket_cap_mb": probe, "overlap": on, "no_overlap": off,
+                                    "ratio": off["median_s"] / on["median_s"]}  # fmt: skip
     return rows, summary
 
 

@@ -8,6 +8,7 @@ from ddp_course.bench import AlphaBeta
 from ddp_course.scaling import (
     StepTimeModel,
     amdahl_speedup,
+    comm_can_overlap,
     efficiency_table,
     exposed_comm,
     fit_amdahl,
@@ -91,3 +92,24 @@ def test_step_time_model():
     assert model.predict([4e6], link, 1) == pytest.approx(0.035)
     with pytest.raises(ValueError, match="no bytes"):
         model.ready_times([0, 0])
+
+
+def test_step_time_model_without_overlap():
+    # Communication on the cores backward needs: every bucket's time adds after backward.
+    model = StepTimeModel(forward_s=0.010, backward_s=0.020, optimizer_s=0.005, overlap=False)
+    link = AlphaBeta(alpha=1e-3, beta=1e-9)
+    assert model.ready_times([1e6, 3e6]) == pytest.approx([0.020, 0.020])
+    # Four 1 MB buckets: 4 x 2 ms exposed, where the overlapped model above hid all but 2 ms.
+    assert model.exposed([1e6] * 4, link, 2) == pytest.approx(0.008)
+    assert model.predict([1e6] * 4, link, 2) == pytest.approx(0.035 + 0.008)
+    assert model.predict([1e6] * 4, link, 1) == pytest.approx(0.035)
+
+
+def test_comm_can_overlap():
+    assert comm_can_overlap("cuda", 8, 4, 2)  # NCCL has a stream of its own
+    assert not comm_can_overlap("cpu", 2, 1, 2)  # every core computes
+    assert not comm_can_overlap("cpu", 4, 1, 2)
+    assert comm_can_overlap("cpu", 2, 1, 4)  # two cores left for gloo
+    assert not comm_can_overlap("cpu", 2, 2, 4)
+    with pytest.raises(ValueError, match=">= 1"):
+        comm_can_overlap("cpu", 2, 0, 2)

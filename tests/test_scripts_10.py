@@ -8,7 +8,7 @@ import pathlib
 import pytest
 
 from ddp_course import launch
-from ddp_course.bench import COLLECTIVES, busbw_factor, fit_each
+from ddp_course.bench import COLLECTIVES, AlphaBeta, busbw_factor, fit_each
 from ddp_course.scaling import efficiency_table
 from ddp_course.trace import load_trace, overlap_report
 
@@ -90,13 +90,30 @@ def test_knobs_ratios_are_of_the_rows(tiny):
 def test_step_time_model_rows(tiny):
     r, *_ = tiny
     s = r["summary"]["model"]
-    compute = sum(s["compute_s"].values())
+    plain = sum(s["compute_s"].values())
+    fit = AlphaBeta(s["all_reduce_fit"]["alpha_s"], 1e-9 / s["all_reduce_fit"]["bandwidth_GBps"])
+    # Two ranks with one thread each on this 2-core machine: no core is left for gloo.
+    assert s["overlap"] is False and s["threads_per_rank"] == 1
     for g in (g for g in rows(r, "model") if g["setting"] == "BucketedDDP"):
         assert g["bytes"] == s["gradient_bytes"]  # every gradient in some bucket
+        # The compute terms are the wrapper's at world size 1, not the plain model's.
+        compute = g["forward_s"] + g["backward_s"] + g["optimizer_s"]
+        assert g["wrapper_s"] == pytest.approx(compute - plain)
+        assert g["forward_s"] != s["compute_s"]["forward"]  # measured apart, not copied
+        assert g["without_wrapper_s"] == pytest.approx(g["predicted_s"] - g["wrapper_s"])
         assert g["predicted_s"] == pytest.approx(compute + g["exposed_comm_s"])
         assert g["predicted_over_measured"] == pytest.approx(g["predicted_s"] / g["median_s"])
-        assert g["exposed_comm_s"] <= g["no_overlap_s"] - compute + 1e-12
+        # No overlap: the buckets' all-reduce times from the fit, added up.
+        if g["buckets"] == 1:
+            assert g["exposed_comm_s"] == pytest.approx(float(fit.predict(g["bytes"])))
+        assert g["predicted_s"] == pytest.approx(g["no_overlap_s"])
+        assert compute <= g["overlapped_s"] <= g["no_overlap_s"] + 1e-12
         assert g["no_overlap_over_measured"] == pytest.approx(g["no_overlap_s"] / g["median_s"])
+    probe = s["overlap_probe"]
+    assert probe["bucket_cap_mb"] == 1.0
+    assert probe["ratio"] == pytest.approx(
+        probe["no_overlap"]["median_s"] / probe["overlap"]["median_s"]
+    )
     caps = {g["bucket_cap_mb"]: g["buckets"] for g in rows(r, "model") if "buckets" in g}
     assert caps[0.01] > caps[1.0] == 1  # a small cap cuts the 0.24 MB of gradients
 
