@@ -1,0 +1,275 @@
+"""Diagnosis helpers for distributed jobs: checks that name the epoch, parameter, rank or
+collective at fault.
+
+- :func:`repeated_orders`: epochs that saw the same sample order (a forgotten
+  ``sampler.set_epoch(epoch)``; pytorch#31771).
+- :func:`models_differ`: parameters and buffers whose shape or value differs
+  from rank 0's (a collective; every rank gets the same answer).
+- :func:`rank_processes` and :func:`py_spy_dumps`: the Python stack of every
+  rank of a running (hung) job, with ``py-spy dump --pid``.
+- :func:`dump_flight_recorder`, :func:`read_flight_recorder` and
+  :func:`first_divergence`: torch's flight recorder (``TORCH_FR_BUFFER_SIZE``)
+  written per rank in the format of PyTorch's analyzer ``torchfrtrace``, read
+  back, and the first collective the ranks disagree on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+import pickle
+import shutil
+import subprocess
+from collections.abc import Sequence
+from typing import Any
+
+import psutil
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = [
+    "dump_flight_recorder",
+    "first_divergence",
+    "models_differ",
+    "py_spy_dumps",
+    "rank_processes",
+    "read_flight_recorder",
+    "repeated_orders",
+    "tensor_digests",
+]
+
+
+def repeated_orders(orders: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+    """Pairs of epochs ``(i, j)``, ``i < j``, that visited the same indices in the same order.
+
+    With shuffling on, two epochs in the same order mean the sampler was not
+    told the epoch: ``DistributedSampler`` seeds its shuffle with
+    ``seed + epoch`` and ``epoch`` stays 0 unless ``set_epoch`` is called.
+
+    Args:
+        orders: ``orders[e]`` is the list of sample indices one rank drew in epoch ``e``.
+
+    Raises:
+        ValueError: fewer than two epochs.
+    """
+    if len(orders) < 2:
+        raise ValueError(f"need the orders of at least 2 epochs, got {len(orders)}")
+    seen = [tuple(o) for o in orders]
+    return [(i, j) for i in range(len(seen)) for j in range(i + 1, len(seen)) if seen[i] == seen[j]]
+
+
+def tensor_digests(model: nn.Module) -> dict[str, tuple[tuple[int, ...], str]]:
+    """``{name: (shape, sha256 of the bytes)}`` for every parameter and buffer of ``model``.
+
+    Exact: any differing bit changes the digest (a tolerance would hide a
+    model that drifted by rounding, which is still a bug in data parallelism).
+    """
+    out = {}
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        data = tensor.detach().cpu().contiguous()
+        digest = hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest()
+        out[name] = (tuple(data.shape), digest)
+    return out
+
+
+def models_differ(model: nn.Module, group: Any = None) -> dict[str, list[int]]:
+    """Parameters and buffers that differ from rank 0's, with the ranks where they differ.
+
+    A collective (``all_gather_object`` of each rank's :func:`tensor_digests`):
+    call it on every rank; every rank gets the same answer. A name missing on
+    some rank counts as differing there. Without a process group the answer
+    is ``{}``.
+
+    Returns:
+        ``{name: [ranks whose tensor is not rank 0's]}``; empty when every
+        rank holds the same model.
+    """
+    if not dist.is_initialized():
+        return {}
+    mine = tensor_digests(model)
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    reference = gathered[0]
+    names = sorted(set().union(*gathered), key=lambda n: (n not in reference, n))
+    differ = {}
+    for name in names:
+        ranks = [r for r, d in enumerate(gathered) if d.get(name) != reference.get(name)]
+        if ranks:
+            differ[name] = ranks
+    return differ
+
+
+def rank_processes(marker: str) -> dict[int, psutil.Process]:
+    """The worker processes of a running torchrun job, by global rank.
+
+    A worker is a process whose command line contains ``marker`` (e.g. the
+    script's name) and whose environment has ``RANK`` (torchrun sets it; the
+    agent has none). Processes of other users or already gone are skipped.
+    """
+    found = {}
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if not any(marker in part for part in cmdline):
+            continue
+        try:
+            rank = proc.environ().get("RANK")
+        except psutil.Error:
+            continue
+        if rank is not None and rank.isdigit():
+            found[int(rank)] = proc
+    return found
+
+
+def py_spy_dumps(marker: str, timeout_s: float = 30.0) -> dict[int, str]:
+    """``py-spy dump --pid`` of every rank of a running job: ``{rank: stack text}``.
+
+    py-spy (https://github.com/benfred/py-spy) reads a Python process's
+    stack from outside, without stopping or changing it, so it works on a
+    job that hangs inside a collective.
+
+    Raises:
+        FileNotFoundError: ``py-spy`` is not installed (``pip install py-spy``).
+        LookupError: no running process matches ``marker``.
+        PermissionError: py-spy may not attach (Linux ptrace rules: run as the
+            same user with ``kernel.yama.ptrace_scope`` 0 or 1, or a container
+            started with ``--cap-add SYS_PTRACE``).
+    """
+    exe = shutil.which("py-spy") or _next_to_python("py-spy")
+    if exe is None:
+        raise FileNotFoundError("py-spy is not installed: pip install py-spy")
+    procs = rank_processes(marker)
+    if not procs:
+        raise LookupError(f"no running torchrun worker has {marker!r} in its command line")
+    dumps = {}
+    for rank, proc in sorted(procs.items()):
+        done = subprocess.run(
+            [exe, "dump", "--pid", str(proc.pid)],
+            capture_output=True, text=True, timeout=timeout_s,
+        )  # fmt: skip
+        if done.returncode != 0:
+            message = (done.stderr or done.stdout).strip()
+            if "ermission" in message or "ptrace" in message:
+                raise PermissionError(f"py-spy cannot attach to rank {rank}: {message}")
+            raise RuntimeError(f"py-spy dump of rank {rank} failed: {message}")
+        dumps[rank] = done.stdout
+    return dumps
+
+
+def _next_to_python(name: str) -> str | None:
+    # A virtual environment's scripts sit next to its python, which is not
+    # always on PATH (a Jupyter kernel started from the venv's python).
+    import sys
+
+    candidate = pathlib.Path(sys.executable).with_name(name)
+    return str(candidate) if candidate.exists() else None
+
+
+def _dump_fr() -> bytes:
+    dump = getattr(torch._C._distributed_c10d, "_dump_fr_trace", None)
+    if dump is None:
+        raise RuntimeError(
+            f"torch {torch.__version__} has no flight recorder dump for every backend "
+            "(torch._C._distributed_c10d._dump_fr_trace); use a newer torch, or the "
+            "launcher's stack dumps and dist.monitored_barrier"
+        )
+    return dump()
+
+
+def dump_flight_recorder(folder: str | os.PathLike, rank: int) -> pathlib.Path:
+    """Write this rank's flight-recorder buffer to ``folder/rank_<rank>`` (a pickle).
+
+    The recorder keeps the last ``TORCH_FR_BUFFER_SIZE`` collectives of every
+    process group (set the variable before the group is created; 0 means
+    off). PyTorch's analyzer reads one such file per rank:
+    ``torchfrtrace FOLDER --prefix rank_``.
+
+    A gloo dump from torch 2.13 lists its process groups under the name ``''``
+    in ``pg_config`` while its entries name the group ``'0'``; the analyzer
+    then fails with ``KeyError: ('0', 0)``. The ``pg_config`` written here
+    is keyed by the names the entries use, which is what the analyzer expects.
+
+    Raises:
+        RuntimeError: the flight recorder is off (``TORCH_FR_BUFFER_SIZE`` unset or 0)
+            or this torch cannot dump it.
+    """
+    trace = pickle.loads(_dump_fr())
+    entries = trace.get("entries", [])
+    if not entries:
+        raise RuntimeError(
+            "the flight recorder holds no entries: set TORCH_FR_BUFFER_SIZE=2000 (or more) "
+            "in the environment of every rank before the process group is created"
+        )
+    old = trace.get("pg_config", {})
+    config = {}
+    for entry in entries:
+        name, desc = entry["process_group"]
+        ranks = old.get(name, old.get("", {})).get("ranks", "[]")
+        config.setdefault(name, {"name": name, "desc": desc, "ranks": ranks})
+    trace["pg_config"] = config
+    out = pathlib.Path(folder, f"rank_{rank}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(pickle.dumps(trace))
+    return out
+
+
+def read_flight_recorder(folder: str | os.PathLike) -> dict[int, list[dict]]:
+    """The dumps in ``folder`` (files ``rank_<r>``), as ``{rank: [entry, ...]}``.
+
+    Each entry is shortened to ``seq`` (the collective's sequence number in
+    its group), ``op`` (e.g. ``"all_reduce"``), ``sizes`` (input shapes),
+    ``state`` and ``where`` (the innermost frame outside torch, ``file:line``).
+
+    Raises:
+        FileNotFoundError: no ``rank_<r>`` file in ``folder``.
+    """
+    files = sorted(pathlib.Path(folder).glob("rank_*"), key=lambda p: int(p.name[5:]))
+    if not files:
+        raise FileNotFoundError(f"no flight-recorder dump (rank_<r>) in {folder}")
+    traces = {}
+    for path in files:
+        trace = pickle.loads(path.read_bytes())
+        rows = []
+        for e in trace["entries"]:
+            if e.get("is_p2p"):
+                continue
+            frames = [f for f in e.get("frames", []) if "/torch/" not in f["filename"]]
+            where = (
+                f"{pathlib.Path(frames[0]['filename']).name}:{frames[0]['line']}" if frames else ""
+            )
+            rows.append({
+                "seq": e["collective_seq_id"],
+                "op": e["profiling_name"].split(":")[-1],
+                "sizes": e["input_sizes"],
+                "state": e["state"],
+                "where": where,
+            })  # fmt: skip
+        traces[int(path.name[5:])] = rows
+    return traces
+
+
+def first_divergence(traces: dict[int, list[dict]]) -> dict | None:
+    """The first collective (by sequence number) the ranks do not agree on, or ``None``.
+
+    Ranks disagree when their entries with that sequence number differ in
+    operation or input sizes, or some rank has no entry with it (it never
+    reached that collective).
+
+    Returns:
+        ``{"seq": n, "calls": {rank: "all_reduce [[5]] at x.py:12" or None}}``.
+    """
+    by_rank = {rank: {e["seq"]: e for e in entries} for rank, entries in traces.items()}
+    seqs = sorted(set().union(*(d.keys() for d in by_rank.values())))
+    for seq in seqs:
+        calls = {r: d.get(seq) for r, d in sorted(by_rank.items())}
+        kinds = {(c["op"], str(c["sizes"])) if c else None for c in calls.values()}
+        if len(kinds) > 1:
+            return {
+                "seq": seq,
+                "calls": {
+                    r: f"{c['op']} {c['sizes']} at {c['where']}" if c else None
+                    for r, c in calls.items()
+                },
+            }
+    return None
