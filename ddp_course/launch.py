@@ -364,28 +364,19 @@ def _check_script(script: str | os.PathLike) -> pathlib.Path:
     return path
 
 
-def _run_job(
-    cmd: list[str],
-    script: pathlib.Path,
-    nproc: int,
-    timeout_s: float,
-    env: Mapping[str, str],
-    echo: bool,
-    logs_path: pathlib.Path | None,
-    results_path: pathlib.Path | None,
-    shown: str,
-) -> LaunchResult:
-    """Start ``cmd`` in a session of its own, stream it, wait, and judge it.
+def _start(
+    cmd: Sequence[str], env: Mapping[str, str], echo: bool, tag: str = ""
+) -> tuple[subprocess.Popen, threading.Thread, list[str]]:
+    """Start ``cmd`` in a session of its own and a thread that reads its output.
 
-    ``shown`` is the command as a learner would type it, printed first so a
-    cell that echoes nothing still says what it is waiting for.
+    Returns the process, the reader thread and the list the thread appends every
+    output line to. With ``echo``, lines other than torchrun's own log lines are
+    printed as they come, after ``tag`` (e.g. ``"[node 1] "``).
     """
     # PYTHONFAULTHANDLER: a rank stopped with SIGABRT prints its Python stack.
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **env}
-    print(f"$ {shown}", flush=True)
-    start = time.perf_counter()
     proc = subprocess.Popen(
-        cmd,
+        list(cmd),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         env=full_env,
@@ -408,13 +399,36 @@ def _run_job(
             text = _PREFIX.sub("", line, count=1)
             if shown or text.strip():  # drop the blank lines around torchrun's banner
                 shown = True
-                print(text, end="", flush=True)
+                print(tag + text, end="", flush=True)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    return proc, reader, lines
+
+
+def _run_job(
+    cmd: list[str],
+    script: pathlib.Path,
+    nproc: int,
+    timeout_s: float,
+    env: Mapping[str, str],
+    echo: bool,
+    logs_path: pathlib.Path | None,
+    results_path: pathlib.Path | None,
+    shown: str,
+) -> LaunchResult:
+    """Start ``cmd`` in a session of its own, stream it, wait, and judge it.
+
+    ``shown`` is the command as a learner would type it, printed first so a
+    cell that echoes nothing still says what it is waiting for.
+    """
+    print(f"$ {shown}", flush=True)
+    start = time.perf_counter()
+    proc, reader, lines = _start(cmd, env, echo)
 
     def rank_logs() -> dict[int, str]:
         return _read_rank_logs(logs_path) if logs_path else {0: "".join(lines)}
 
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
     try:
         returncode = _wait(proc, script.name, start, timeout_s, heartbeat=not echo)
     except subprocess.TimeoutExpired:
