@@ -69,7 +69,8 @@ def tensor_digests(model: nn.Module) -> dict[str, tuple[tuple[int, ...], str]]:
     out = {}
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         data = tensor.detach().cpu().contiguous()
-        digest = hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest()
+        raw = data.reshape(-1).view(torch.uint8)  # the bytes, whatever the dtype
+        digest = hashlib.sha256(raw.numpy().tobytes()).hexdigest()
         out[name] = (tuple(data.shape), digest)
     return out
 
