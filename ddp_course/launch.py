@@ -149,9 +149,10 @@ _PREFIX = re.compile(r"^\[[^\]]*?(\d+)\]:", re.MULTILINE)
 _RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?", re.MULTILINE)
 _FAILED_AT = re.compile(r"\[ddp_course\] rank (\d+) failed at t=([\d.]+)")
 _ROOT_RANK = re.compile(r"Root Cause.*?rank\s*:\s*(\d+)", re.DOTALL)
-# torchrun's own log lines (glog format: W1121 06:13:26.123 ...); the echo
-# hides its warnings and notes, the failure report keeps everything.
-_TORCHRUN_LOG = re.compile(r"^[WI]\d{4} \d\d:\d\d:\d\d")
+# torchrun's own log lines (glog format: W1121 06:13:26.123 ..., and c10d's
+# C++ lines [W1121 06:13:26.123 ...]); the echo hides its warnings, notes and
+# errors (the launcher says what failed itself), the failure report keeps everything.
+_TORCHRUN_LOG = re.compile(r"^\[?[WIE]\d{4} \d\d:\d\d:\d\d")
 _TORCHRUN_BANNER = ("*****************************************", "Setting OMP_NUM_THREADS")
 # Flags that make a job span several nodes; the launcher then leaves
 # addresses and interfaces to them instead of pinning everything to loopback.

@@ -171,6 +171,7 @@ def torchrun_nodes(
     extra_torchrun_args: Sequence[str] = (),
     log_dir: str | os.PathLike | None = None,
     grace_s: float = 10.0,
+    rdzv_conf: Mapping[str, Any] | None = None,
 ) -> MultiNodeResult:
     """Run one job as several torchrun agents (nodes) on this machine and wait for it.
 
@@ -198,6 +199,13 @@ def torchrun_nodes(
             default a temporary folder, removed afterwards.
         grace_s: seconds the other agents get to stop by themselves after one
             failed, before they are killed.
+        rdzv_conf: torchrun's ``--rdzv-conf`` for every node, e.g.
+            ``{"join_timeout": 5}`` (seconds to wait for all nodes) or
+            ``{"last_call_timeout": 1}`` (seconds an elastic job waits for more
+            nodes once it has the minimum). A node whose address is the
+            endpoint's host but not its hostname's (a namespace, a second
+            network card) also gets ``is_host=true``: torch guesses who hosts
+            the rendezvous store from the hostname and would find no host.
 
     Returns:
         :class:`MultiNodeResult`.
@@ -220,7 +228,11 @@ def torchrun_nodes(
         if node.nproc < 1:
             raise ValueError(f"nproc must be at least 1, not {node.nproc}")
     nnodes = nnodes or str(len(nodes))
-    endpoint = endpoint or f"{nodes[0].addr}:{launch.free_port(nodes[0].addr)}"
+    if endpoint is None:
+        # A port free here; a fresh namespace has every port free, and its
+        # address cannot be bound from outside it.
+        port = launch.free_port("127.0.0.1" if nodes[0].netns else nodes[0].addr)
+        endpoint = f"{nodes[0].addr}:{port}"
     env = dict(env or {})
     if DEVICE_ENV not in env and DEVICE_ENV not in os.environ:
         env[DEVICE_ENV] = device_plan(max(n.nproc for n in nodes), launch._gpu_count()).device_type
@@ -237,6 +249,13 @@ def torchrun_nodes(
             cmds.append(_agent_cmd(node, nnodes, endpoint, run_id, agent_tmp,
                                    logs_root / f"node{i}", extra_torchrun_args, path,
                                    job_args))  # fmt: skip
+            conf = dict(rdzv_conf or {})
+            if node.netns and endpoint.rpartition(":")[0] == node.addr:
+                conf.setdefault("is_host", "true")
+            conf_args = (
+                [f"--rdzv-conf={','.join(f'{k}={v}' for k, v in conf.items())}"] if conf else []
+            )
+            cmds[-1][cmds[-1].index(str(path.resolve())) : 0] = conf_args
             node_env = dict(env)
             if node.ifname:
                 node_env.setdefault("GLOO_SOCKET_IFNAME", node.ifname)
@@ -246,7 +265,8 @@ def torchrun_nodes(
                 *(["ip", "netns", "exec", node.netns] if node.netns else []),
                 "torchrun", f"--nnodes={nnodes}", f"--node-rank={node.node_rank}",
                 f"--nproc-per-node={node.nproc}", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint={endpoint}", *extra_torchrun_args, *node.torchrun_args,
+                f"--rdzv-endpoint={endpoint}", *conf_args, *extra_torchrun_args,
+                *node.torchrun_args,
                 launch._shown_path(script), *args,
             ])  # fmt: skip
             print(f"[node {i}] $ {shown}", flush=True)
