@@ -30,6 +30,7 @@ __all__ = [
     "DEVICE_ENV",
     "DevicePlan",
     "DistContext",
+    "attempt_prefix",
     "barrier",
     "device_for_rank",
     "device_plan",
@@ -206,20 +207,34 @@ def pick_backend(device: torch.device) -> str:
 
 
 def _attempt_store(timeout: datetime.timedelta | None) -> dist.Store | None:
-    # torchrun's agent hosts one store for the workers and keeps it across
-    # restarts (TORCHELASTIC_USE_AGENT_STORE=True), while env:// assumes a
-    # fresh store each attempt and uses no prefix. The restarted ranks then
-    # may read the dead ranks' gloo addresses and fail with "Connection
-    # refused" or hang (seen here with plain torchrun --max-restarts=1, 2 of
-    # 3 runs). A prefix per attempt keeps each attempt's keys apart.
+    # torchrun's agent hosts one store for the workers and keeps it, at the same
+    # MASTER_ADDR:MASTER_PORT, across restarts (TORCHELASTIC_USE_AGENT_STORE=True),
+    # while env:// assumes a fresh store each attempt and uses no prefix. The
+    # restarted ranks then may read the dead ranks' gloo addresses, still in the
+    # store, before the new ranks overwrite them, and fail with "Connection
+    # refused" or hang (plain torchrun --max-restarts=1: 9 of 15 restarts
+    # failed here). A prefix per attempt keeps each attempt's keys apart. The
+    # restart count stays the same when the workers restart because a node
+    # joined (elastic membership), so the world size is part of the prefix too.
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     client = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
         timeout=timeout or datetime.timedelta(minutes=5),
     )  # fmt: skip
+    return dist.PrefixStore(attempt_prefix(), client)
+
+
+def attempt_prefix() -> str:
+    """The key prefix of this restart attempt in torchrun's agent store.
+
+    ``ddp_course/attempt_<TORCHELASTIC_RESTART_COUNT>_world_<WORLD_SIZE>``:
+    the same on every rank of one attempt, different from the attempts before
+    it, both after a failure (the count grows) and after a node joined or left
+    (the world size changes).
+    """
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"ddp_course/attempt_{attempt}", client)
+    return f"ddp_course/attempt_{attempt}_world_{os.environ.get('WORLD_SIZE', '1')}"
 
 
 @contextlib.contextmanager
