@@ -6,8 +6,9 @@ Modes (one or several per run; each row of the results names its mode):
                threads per rank, Amdahl and Gustafson fits
   knobs        bucket_cap_mb sweep, no_sync accumulation, fp16/bf16 compression hooks,
                lesson 07's BucketedDDP against torch's DDP
-  model        t_step = t_forward + t_backward + exposed all-reduce + t_optimizer against
-               BucketedDDP's measured step time for several bucket caps (any world size)
+  model        t_step = t_forward + t_backward + exposed all-reduce + t_optimizer, compute
+               timed through BucketedDDP in a group of one rank, against BucketedDDP's
+               measured step time for several bucket caps (any world size)
   trace        torch.profiler traces of DDP steps: how much all-reduce time overlaps backward
 
 Recorded runs, from the repository root (minutes each):
@@ -436,8 +437,10 @@ def run_model(ctx, args, log):
                      "no_overlap_over_measured": serial / measured["median_s"]})  # fmt: skip
         log.info(f"cap {cap:g} MB: predicted {1e3 * predicted:.1f} ms, "
                  f"measured {1e3 * measured['median_s']:.1f} ms")  # fmt: skip
+    buckets = {f"{c:g}": w.bucket_bytes() for c, w in wrapped.items()}
     summary = {"compute_s": compute_s["plain"], "gradient_bytes": grad_bytes, "overlap": overlap,
-               "threads_per_rank": torch.get_num_threads(), "cpus": os.cpu_count()}  # fmt: skip
+               "threads_per_rank": torch.get_num_threads(), "cpus": os.cpu_count(),
+               "bucket_bytes": buckets}  # fmt: skip
     if ctx.world_size > 1:
         summary["all_reduce_fit"] = {"alpha_s": fit.alpha, "bandwidth_GBps": fit.bandwidth / 1e9}
         on, off = stats(times[("BucketedDDP", probe)]), stats(times[("no overlap", probe)])
