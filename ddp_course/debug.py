@@ -19,6 +19,7 @@ import hashlib
 import os
 import pathlib
 import pickle
+import re
 import shutil
 import subprocess
 from collections.abc import Sequence
@@ -123,6 +124,9 @@ def rank_processes(marker: str) -> dict[int, psutil.Process]:
     return found
 
 
+_ANSI_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
+
+
 def py_spy_dumps(marker: str, timeout_s: float = 30.0) -> dict[int, str]:
     """``py-spy dump --pid`` of every rank of a running job: ``{rank: stack text}``.
 
@@ -154,7 +158,7 @@ def py_spy_dumps(marker: str, timeout_s: float = 30.0) -> dict[int, str]:
             if "ermission" in message or "ptrace" in message:
                 raise PermissionError(f"py-spy cannot attach to rank {rank}: {message}")
             raise RuntimeError(f"py-spy dump of rank {rank} failed: {message}")
-        dumps[rank] = done.stdout
+        dumps[rank] = _ANSI_COLOUR.sub("", done.stdout)  # py-spy colours some terminals
     return dumps
 
 
