@@ -17,7 +17,6 @@ and a plot next to it (same name, .png).
 
 import argparse
 import contextlib
-import json
 import os
 import pathlib
 import platform
@@ -30,6 +29,7 @@ from tqdm import tqdm
 
 from ddp_course.bench import summarize, time_op
 from ddp_course.ddp import BucketedDDP, NaiveDDP
+from ddp_course.engine import write_results
 from ddp_course.models import LayerStack, resnet18_mnist
 from ddp_course.runtime import distributed, get_logger
 
@@ -123,20 +123,18 @@ def main():
         }
         for k, v in ratios.items():
             log.info(f"{k}: {v:.2f}")
+        params = make_model(args.model, "cpu").parameters()
+        write_results(ctx, args.results, {
+            "world_size": dist.get_world_size(), "device": str(dev),
+            "backend": dist.get_backend(), "torch": torch.__version__,
+            "machine": platform.machine(), "cpus": os.cpu_count(),
+            "load_average_1min": os.getloadavg()[0], "args": vars(args),
+            "parameter_tensors": len(list(params)),
+            "step": steps, "accumulation": accumulation, "bucket_sweep": caps,
+            "ratios": ratios,
+        })  # fmt: skip
         if ctx.is_main and args.results:
-            out = pathlib.Path(args.results)
-            params = make_model(args.model, "cpu").parameters()
-            with open(out, "w") as f:
-                json.dump({
-                    "world_size": dist.get_world_size(), "device": str(dev),
-                    "backend": dist.get_backend(), "torch": torch.__version__,
-                    "machine": platform.machine(), "cpus": os.cpu_count(),
-                    "load_average_1min": os.getloadavg()[0], "args": vars(args),
-                    "parameter_tensors": len(list(params)),
-                    "step": steps, "accumulation": accumulation, "bucket_sweep": caps,
-                    "ratios": ratios,
-                }, f, indent=1)  # fmt: skip
-            plot(caps, out.with_suffix(".png"))
+            plot(caps, pathlib.Path(args.results).with_suffix(".png"))
 
 
 def plot(caps, path):

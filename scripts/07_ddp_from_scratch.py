@@ -14,7 +14,6 @@ right and wrong. Rank 0 writes everything to --results as JSON.
 
 import argparse
 import contextlib
-import json
 import time
 
 import torch
@@ -23,6 +22,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_course.ddp import BucketedDDP, NaiveDDP, average_gradients
+from ddp_course.engine import write_results
 from ddp_course.models import LayerStack
 from ddp_course.runtime import distributed, get_logger
 
@@ -176,12 +176,10 @@ def main():
         global_batch = args.batch_size * args.accum * world_size
         log.info(f"global batch = micro-batch {args.batch_size} x accumulation {args.accum} "
                  f"x world size {world_size} = {global_batch} samples per step")  # fmt: skip
-        if ctx.is_main and args.results:
-            with open(args.results, "w") as f:
-                json.dump({"world_size": world_size, "steps": args.steps, "diffs": diffs,
-                           "timelines": per_rank, "accumulation": accumulation,
-                           "accum": args.accum,
-                           "batch_size": args.batch_size}, f)  # fmt: skip
+        write_results(ctx, args.results, {"world_size": world_size, "steps": args.steps,
+                                          "diffs": diffs, "timelines": per_rank,
+                                          "accumulation": accumulation, "accum": args.accum,
+                                          "batch_size": args.batch_size})  # fmt: skip
 
 
 if __name__ == "__main__":

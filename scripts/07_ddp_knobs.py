@@ -14,7 +14,6 @@ the default find_unused_parameters=False; its second step fails with torch's
 import argparse
 import gc
 import inspect
-import json
 
 import psutil
 import torch
@@ -24,6 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_course.ddp import BucketedDDP
+from ddp_course.engine import write_results
 from ddp_course.models import LayerStack
 from ddp_course.runtime import distributed, get_logger
 
@@ -159,9 +159,7 @@ def main():
             str(flag): rss_growth_mb(flag, ctx, args) for flag in (False, True)
         }
         log.info(f"gradient_as_bucket_view: {results['gradient_as_bucket_view']}")
-        if ctx.is_main and args.results:
-            with open(args.results, "w") as f:
-                json.dump(results, f)
+        write_results(ctx, args.results, results)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ time, with three learning-rate policies, and evaluates on the 1,000 test digits.
 
 import argparse
 import dataclasses
-import json
 
 import torch
 import torch.distributed as dist
@@ -22,7 +21,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_course.data import load_mnist
-from ddp_course.engine import evaluate
+from ddp_course.engine import evaluate, write_results
 from ddp_course.models import MLP
 from ddp_course.runtime import distributed, get_logger
 
@@ -93,9 +92,8 @@ def main():
                         log.info(f"world size {n}, {policy:24s}: {steps:3d} steps, "
                                  f"test accuracy {accuracy:.3f}")  # fmt: skip
         dist.barrier()
-        if ctx.is_main and args.results:
-            with open(args.results, "w") as f:
-                json.dump({"world_sizes": sizes, "epochs": args.epochs, "rows": rows}, f)
+        write_results(ctx, args.results, {"world_sizes": sizes, "epochs": args.epochs,
+                                          "rows": rows})  # fmt: skip
 
 
 if __name__ == "__main__":

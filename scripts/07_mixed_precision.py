@@ -13,7 +13,6 @@ torch.distributed's Python API is counted in bytes.
 
 import argparse
 import contextlib
-import json
 
 import torch
 import torch.distributed as dist
@@ -22,7 +21,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_course.data import load_mnist
-from ddp_course.engine import evaluate
+from ddp_course.engine import evaluate, write_results
 from ddp_course.models import MLP
 from ddp_course.runtime import distributed, get_logger
 
@@ -120,10 +119,9 @@ def main():
             results[variant] = stats
             log.info(f"{variant:14s} accuracy {stats['accuracy']:.3f}, "
                      f"{stats['bytes_per_step'] / 1e3:.0f} kB all-reduced per step")  # fmt: skip
-        if ctx.is_main and args.results:
-            with open(args.results, "w") as f:
-                json.dump({"world_size": dist.get_world_size(), "device": str(ctx.device),
-                           "variants": results}, f)  # fmt: skip
+        write_results(ctx, args.results, {"world_size": dist.get_world_size(),
+                                          "device": str(ctx.device),
+                                          "variants": results})  # fmt: skip
 
 
 if __name__ == "__main__":

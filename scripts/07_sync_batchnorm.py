@@ -11,12 +11,12 @@ Every rank also runs BatchNorm on the whole global batch as the reference.
 """
 
 import argparse
-import json
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddp_course.engine import write_results
 from ddp_course.runtime import distributed, get_logger
 
 
@@ -135,10 +135,9 @@ def main():
         log.info(f"torch's SyncBatchNorm: {torch_sync}")
         all_plain = [None] * n
         dist.all_gather_object(all_plain, plain)
-        if ctx.is_main and args.results:
-            with open(args.results, "w") as f:
-                json.dump({"world_size": n, "sync_diffs": diffs, "plain_per_rank": all_plain,
-                           "torch_sync_batchnorm": torch_sync}, f)  # fmt: skip
+        write_results(ctx, args.results, {"world_size": n, "sync_diffs": diffs,
+                                          "plain_per_rank": all_plain,
+                                          "torch_sync_batchnorm": torch_sync})  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 torchrun where the notebook does not already run them that way (the
 benchmark, and the deliberate unused-parameter failure)."""
 
+import json
+
 import pytest
 
 from ddp_course import launch
@@ -26,8 +28,9 @@ def test_lesson07_script_as_plain_python(root, tmp_path, script):
     args = list(PLAIN[script])
     if script == "07_benchmark.py":
         args += ["--results", str(tmp_path / "bench.json")]
-        job = launch.python(root / "scripts" / script, args, echo=False, timeout_s=300)
+        launch.python(root / "scripts" / script, args, echo=False, timeout_s=300)
         assert (tmp_path / "bench.png").exists()
+        _check_benchmark(json.loads((tmp_path / "bench.json").read_text()), world_size=1)
     else:
         job = launch.python(root / "scripts" / script, args, results=True, echo=False,
                             timeout_s=300)  # fmt: skip
@@ -55,6 +58,14 @@ def _check_mixed_precision(r):
     assert v["fp16 hook"]["bytes_per_step"] * 2 == v["float32"]["bytes_per_step"]
 
 
+def _check_benchmark(r, world_size):
+    # The ratios are of the medians the same file holds.
+    assert r["world_size"] == world_size and r["args"]["caps"] == [0.25, 1.0]
+    step = {k: v["median_s"] for k, v in r["step"].items()}
+    assert r["ratios"]["NaiveDDP / BucketedDDP"] == step["NaiveDDP"] / step["BucketedDDP"]
+    assert set(r["bucket_sweep"]) == {"BucketedDDP", "torch DDP"}
+
+
 def _check_lr_scaling(r):
     assert r["world_sizes"] == [1]
 
@@ -72,7 +83,8 @@ def test_lesson07_benchmark_under_torchrun(root, tmp_path):
     out = tmp_path / "bench.json"
     launch.torchrun(root / "scripts/07_benchmark.py", [*PLAIN["07_benchmark.py"], "--results",
                     str(out)], nproc=2, echo=False, timeout_s=300)  # fmt: skip
-    assert out.exists() and out.with_suffix(".png").exists()
+    assert out.with_suffix(".png").exists()
+    _check_benchmark(json.loads(out.read_text()), world_size=2)
 
 
 # The --unused-error run (torch names the unused parameter) is asserted by notebook 07.
