@@ -3,12 +3,13 @@
 # make test    pytest: package, scripts under torchrun, notebook sync, nbval
 # make lab     JupyterLab at the repository root (terminals there, .venv/bin first on PATH)
 # make site    the executed notebooks as a website in build/site (nothing is re-run)
+# make slurm-test  scripts/11_train.sbatch on a one-node Slurm started here (root; apt-get)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup course test lab lint site
+.PHONY: setup course test lab lint site slurm-test
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,3 +35,6 @@ lab: $(STAMP)
 
 site: $(STAMP)
 	$(PY) docs/build_site.py --out build/site
+
+slurm-test: $(STAMP)
+	$(PY) -m pytest tests/test_slurm.py -v -ra

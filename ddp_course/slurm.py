@@ -203,6 +203,7 @@ class LocalSlurm:
         self.install_s = 0.0
         self._procs: dict[str, subprocess.Popen] = {}
         self._submitted: dict[int, float] = {}
+        self._up = False  # the controller answered and the node is idle
 
     # --- bring-up -------------------------------------------------------------
 
@@ -229,6 +230,7 @@ class LocalSlurm:
                                self.root / "slurmctld.log", self._controller_up)  # fmt: skip
             self._start_daemon("slurmd", ["slurmd", "-D", "-f", str(self.conf)],
                                self.root / "slurmd.log", self._node_idle)  # fmt: skip
+            self._up = True
         except BaseException:
             self.__exit__(None, None, None)
             raise
@@ -277,7 +279,9 @@ class LocalSlurm:
             "AccountingStorageType=accounting_storage/none",
             "JobCompType=jobcomp/none",
             "MpiDefault=none",
+            "MailProg=/bin/true",  # no mail on a test cluster
             "SchedulerType=sched/builtin",
+            "SchedulerParameters=sched_min_interval=100000",  # start a job within 0.1 s, not 2 s
             "SelectType=select/cons_tres",
             "SelectTypeParameters=CR_Core",
             "ReturnToService=2",
@@ -296,9 +300,16 @@ class LocalSlurm:
         # learner who switches plugins sees where it goes (cgroup.conf(5)).
         (root / "cgroup.conf").write_text("CgroupPlugin=autodetect\n")
 
-    def _run(self, cmd: Sequence[str], check: bool = True, **kwargs) -> subprocess.CompletedProcess:
-        done = subprocess.run(list(cmd), env=kwargs.pop("env", self.env), capture_output=True,
-                              text=True, timeout=_COMMAND_TIMEOUT_S, **kwargs)  # fmt: skip
+    def _run(
+        self, cmd: Sequence[str], check: bool = True, timeout_s: float = _COMMAND_TIMEOUT_S, **kw
+    ) -> subprocess.CompletedProcess:
+        # A controller that accepts but never answers must not hang the caller:
+        # every client command has a deadline, and a missed one reads as a failure.
+        try:
+            done = subprocess.run(list(cmd), env=kw.pop("env", self.env), capture_output=True,
+                                  text=True, timeout=timeout_s, **kw)  # fmt: skip
+        except subprocess.TimeoutExpired:
+            done = subprocess.CompletedProcess(cmd, 124, "", f"no answer in {timeout_s:.0f} s")
         if check and done.returncode != 0:
             raise RuntimeError(f"`{' '.join(cmd)}` failed: {(done.stderr or done.stdout).strip()}")
         return done
@@ -349,10 +360,10 @@ class LocalSlurm:
         )
 
     def _controller_up(self) -> bool:
-        return self._run(["scontrol", "ping"], check=False).stdout.count("is UP") > 0
+        return "is UP" in self._run(["scontrol", "ping"], check=False, timeout_s=3).stdout
 
     def _node_idle(self) -> bool:
-        done = self._run(["scontrol", "-o", "show", "node", self.node], check=False)
+        done = self._run(["scontrol", "-o", "show", "node", self.node], check=False, timeout_s=3)
         return _fields(done.stdout).get("State", "").startswith("IDLE")
 
     # --- jobs -------------------------------------------------------------------
@@ -444,6 +455,13 @@ class LocalSlurm:
         Raises:
             RuntimeError: scontrol refused (unknown job, not requeueable).
         """
+        # A job step that is still cleaning up on the node would meet the requeued
+        # run's launch (seen once: the requeued run failed before its first line).
+        deadline = time.monotonic() + _COMMAND_TIMEOUT_S
+        while any(True for _ in self._steps()) or not self._node_idle():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the node did not become idle to requeue job {job_id}")
+            time.sleep(0.1)
         self._run(["scontrol", "requeue", str(job_id)])
         deadline = time.monotonic() + _COMMAND_TIMEOUT_S
         while self.job_state(job_id).get("JobState") != "PENDING":
@@ -476,9 +494,9 @@ class LocalSlurm:
         return found
 
     def __exit__(self, *exc) -> None:
-        if self.conf is not None and "slurmctld" in self._procs:
+        if self._up:
             with contextlib.suppress(Exception):  # cancel every job left; ours alone run here
-                self._run(["scancel", "--full", "--user=root"], check=False)
+                self._run(["scancel", "--full", "--user=root"], check=False, timeout_s=10)
             deadline = time.monotonic() + 15
             while time.monotonic() < deadline and any(
                 p.info["name"] == "slurmstepd" for p in self._steps()

@@ -11,14 +11,27 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import socket
 import sys
+import time
 
+import psutil
 import pytest
 
-from ddp_course.slurm import LocalSlurm, SlurmJobError, SlurmUnavailable
+from ddp_course import slurm
+from ddp_course.launch import free_port
+from ddp_course.slurm import (
+    DAEMONS,
+    LocalSlurm,
+    SlurmJobError,
+    SlurmUnavailable,
+    install_packages,
+    missing_commands,
+)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SBATCH = REPO / "scripts" / "11_train.sbatch"
+pytestmark = pytest.mark.timeout(400)  # a backstop: every wait below has its own timeout
 
 
 def _venv_path() -> str:
@@ -28,14 +41,18 @@ def _venv_path() -> str:
 
 @pytest.fixture(scope="module")
 def cluster():
+    started = time.time()
     try:
-        with LocalSlurm() as slurm:
-            yield slurm
+        with LocalSlurm() as local:
+            yield local
     except SlurmUnavailable as exc:
         pytest.skip(f"no local Slurm: {exc}")
     # After the context: no daemon or job step of this cluster runs and its files are gone.
-    assert slurm.leftover_processes() == []
-    assert not slurm.root.exists()
+    assert local.leftover_processes() == []
+    assert not local.root.exists()
+    late = [p.info for p in psutil.process_iter(["name", "pid", "create_time"])
+            if p.info["name"] in DAEMONS and p.info["create_time"] >= started]  # fmt: skip
+    assert late == [], f"Slurm or MUNGE processes left running: {late}"
 
 
 def test_sbatch_trains_on_slurm_and_a_requeued_job_resumes(cluster, tmp_path):
@@ -79,3 +96,37 @@ def test_a_job_without_the_course_environment_fails_with_its_output(cluster, tmp
     assert info.value.state == "FAILED" and info.value.job_id == job
     assert "torchrun" in info.value.output and "No such file or directory" in info.value.output
     assert "torchrun" in str(info.value)  # the end of the output is in the message
+
+
+def test_not_root_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(SlurmUnavailable, match="needs root"):
+        LocalSlurm().__enter__()
+
+
+def test_a_failing_apt_get_is_a_clear_error(monkeypatch, tmp_path):
+    fake = tmp_path / "apt-get"  # an apt-get that fails as it does without a network
+    fake.write_text("#!/bin/sh\necho 'E: Unable to locate package slurm-wlm' >&2\nexit 100\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    with pytest.raises(SlurmUnavailable, match=r"failed \(exit 100\)[\s\S]*Unable to locate"):
+        install_packages(timeout_s=10)
+
+
+def test_a_daemon_that_cannot_start_is_a_clear_error(monkeypatch):
+    if os.geteuid() != 0 or missing_commands():
+        pytest.skip("needs root and the Slurm packages")
+    # The controller's port already taken by someone else: slurmctld cannot listen.
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        ports = iter([port])  # the controller's port first, then free ones
+        monkeypatch.setattr(slurm, "free_port", lambda: next(ports, None) or free_port())
+        start = time.monotonic()
+        with pytest.raises(SlurmUnavailable, match="slurmctld") as info:
+            with LocalSlurm(start_timeout_s=10):
+                pass
+    assert time.monotonic() - start < 30
+    assert "Address already in use" in str(info.value)  # the end of its log says why
