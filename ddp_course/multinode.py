@@ -335,11 +335,13 @@ def _run_nodes(
             launch._where_stuck(logs, script).replace("\n  rank", f"\n  node {i} local rank")
             for i, logs in sorted(node_logs.items())
         )
-        raise launch.LaunchTimeout(
+        error = launch.LaunchTimeout(
             f"{script.name} ran past its {timeout_s:g} s timeout on {len(nodes)} node(s); "
             f"every process of every node was killed.{hint}{where}",
             None, -signal.SIGKILL, _flatten(node_logs, running, nodes),
-        ) from None  # fmt: skip
+        )  # fmt: skip
+        error.agent_output = {i: output(i) for i in range(len(nodes))}  # type: ignore[attr-defined]
+        raise error from None
     finally:
         _stop_all(running)
     wall_s = time.perf_counter() - start
@@ -362,7 +364,9 @@ def _run_nodes(
                 f"{script.name} failed on {where} (node {i}, exit code {codes.get(i)}).\n"
                 f"--- end of {where}'s output ---\n{detail}"
             )
-        raise launch.LaunchError(message, rank, codes.get(i, -1), logs)
+        error = launch.LaunchError(message, rank, codes.get(i, -1), logs)
+        error.agent_output = outputs  # type: ignore[attr-defined]
+        raise error
     data = None
     if results_path is not None:
         if not results_path.exists():

@@ -62,6 +62,13 @@ def parse_args() -> argparse.Namespace:
         default=0.0,
         help="seconds of sleep per step (a slow job a second node can join)",
     )
+    p.add_argument(
+        "--wait-for-world",
+        type=int,
+        default=0,
+        help="after each epoch, wait up to 60 s while the world is smaller than N"
+        " (a long job that a node joins midway)",
+    )
     p.add_argument("--results", help="write a JSON summary here (rank 0)")
     args = p.parse_args()
     for name in ("epochs", "batch_size"):
@@ -136,6 +143,8 @@ def train(ctx: DistContext, args: argparse.Namespace) -> None:
     sampler = DistributedSampler(range(len(y)), num_replicas=ctx.world_size, rank=ctx.rank,
                                  shuffle=True, seed=args.seed)  # fmt: skip
     steps_per_epoch = -(-sampler.num_samples // args.batch_size)
+    if args.max_steps:
+        steps_per_epoch = min(steps_per_epoch, args.max_steps)
 
     # Resume: everything that decides the next step comes from the snapshot.
     epoch, step, loss_sum, seen, world_sizes, resumed_from = 0, 0, 0.0, 0, [], None
@@ -192,6 +201,13 @@ def train(ctx: DistContext, args: argparse.Namespace) -> None:
                  f"test accuracy {acc:.4f}")  # fmt: skip
         epoch, step, loss_sum, seen = epoch + 1, 0, 0.0, 0
         snapshot(epoch, 0)
+        if ctx.world_size < args.wait_for_world and epoch < args.epochs:
+            # torchrun's agent stops these workers when a node joins, and the
+            # next round resumes from the snapshot just written.
+            log.info(f"world size {ctx.world_size}: waiting for more nodes")
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                time.sleep(0.1)
 
     peers = gather(ctx, peer_addresses())
     final = evaluate(unwrap(model), test_set, ctx)
