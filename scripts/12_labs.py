@@ -27,7 +27,8 @@ Labs (several may run in one job, in the order given):
 
 A failing collective raises after --timeout-s seconds (the process group's
 timeout). With --flight-recorder DIR and TORCH_FR_BUFFER_SIZE set, every rank
-writes its flight-recorder buffer to DIR when a lab fails.
+writes its flight-recorder buffer to DIR when a lab fails. Rank 0 writes
+--results after every lab, so the labs before a failing one keep their findings.
 """
 
 import argparse
@@ -186,7 +187,8 @@ def main():
                 if args.flight_recorder:
                     debug.dump_flight_recorder(args.flight_recorder, ctx.rank)
                 raise
-        write_results(ctx, args.results, results)
+            # After every lab, so a failing lab keeps the findings of those before it.
+            write_results(ctx, args.results, results)
 
 
 if __name__ == "__main__":
