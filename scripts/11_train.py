@@ -55,6 +55,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--snapshot-every", type=int, default=0,
                    help="also save every N steps (0: at epoch ends only)")  # fmt: skip
     p.add_argument("--die-at-step", type=int, help="global step at which --die-rank is killed")
+    p.add_argument("--max-steps", type=int, help="stop each epoch after this many steps (tests)")
     p.add_argument("--die-rank", type=int, default=0, help="rank that --die-at-step kills")
     p.add_argument(
         "--step-sleep",
