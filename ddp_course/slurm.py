@@ -34,6 +34,7 @@ import contextlib
 import dataclasses
 import os
 import pathlib
+import random
 import shutil
 import signal
 import socket
@@ -285,6 +286,9 @@ class LocalSlurm:
             "SelectType=select/cons_tres",
             "SelectTypeParameters=CR_Core",
             "ReturnToService=2",
+            # Job ids differ from one cluster to the next, as on a long-lived cluster:
+            # a batch script may derive ports and file names from them.
+            f"FirstJobId={random.randrange(1000, 1_000_000)}",
             "MinJobAge=300",  # finished jobs stay visible to scontrol this many seconds
             "KillWait=5",  # seconds between SIGTERM and SIGKILL when a job is cancelled
             "SlurmctldTimeout=30",
@@ -473,34 +477,19 @@ class LocalSlurm:
     # --- tear-down ----------------------------------------------------------------
 
     def leftover_processes(self) -> list[psutil.Process]:
-        """Processes of this cluster still alive: daemons started here and
-        job steps (``slurmstepd``) whose environment names this cluster's
-        configuration. Empty after exit."""
-        mine = {p.pid for p in self._procs.values()}
-        tag = str(self.root) if self.root is not None else None
-        found = []
-        for proc in psutil.process_iter(["name", "pid"]):
-            try:
-                if proc.pid in mine and proc.is_running() and proc.status() != "zombie":
-                    found.append(proc)
-                elif (
-                    tag
-                    and proc.info["name"] in DAEMONS
-                    and tag in proc.environ().get("SLURM_CONF", "")
-                ):
-                    found.append(proc)
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-        return found
+        """Processes of this cluster still alive: the daemons started here and
+        job steps (``slurmstepd``, which slurmd detaches and which keep this
+        cluster's log open). Empty after exit."""
+        mine = {p.pid for p in self._procs.values() if p.poll() is None}
+        found = [psutil.Process(pid) for pid in mine if psutil.pid_exists(pid)]
+        return found + list(self._steps())
 
     def __exit__(self, *exc) -> None:
         if self._up:
             with contextlib.suppress(Exception):  # cancel every job left; ours alone run here
                 self._run(["scancel", "--full", "--user=root"], check=False, timeout_s=10)
             deadline = time.monotonic() + 15
-            while time.monotonic() < deadline and any(
-                p.info["name"] == "slurmstepd" for p in self._steps()
-            ):
+            while time.monotonic() < deadline and any(True for _ in self._steps()):
                 time.sleep(0.2)
         # Stop in reverse order of start: slurmd, slurmctld, munged.
         for name in reversed(list(self._procs)):
@@ -512,17 +501,26 @@ class LocalSlurm:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait(timeout=10)
-        for proc in self.leftover_processes():  # job steps that outlived slurmd
+        leftover = self.leftover_processes()  # job steps that outlived slurmd
+        for step in list(leftover):  # with what they run (torchrun and its ranks)
+            with contextlib.suppress(psutil.NoSuchProcess):
+                leftover += step.children(recursive=True)
+        for proc in leftover:
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc.kill()
+        psutil.wait_procs(leftover, timeout=10)
         if self.root is not None:
             shutil.rmtree(self.root, ignore_errors=True)
 
     def _steps(self) -> Iterator[psutil.Process]:
+        # slurmstepd runs with an empty environment and init as its parent; what
+        # ties it to this cluster is the slurmd log it inherited, open in our folder.
+        if self.root is None:
+            return
         tag = str(self.root)
         for proc in psutil.process_iter(["name"]):
             with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-                if proc.info["name"] == "slurmstepd" and tag in proc.environ().get(
-                    "SLURM_CONF", ""
+                if proc.info["name"] == "slurmstepd" and any(
+                    f.path.startswith(tag) for f in proc.open_files()
                 ):
                     yield proc
