@@ -140,3 +140,15 @@ def test_a_save_that_fails_midway_leaves_the_previous_checkpoint(tmp_path, monke
     for a, b in zip(old.state_dict().values(), fresh.state_dict().values()):
         torch.testing.assert_close(a, b)
     assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]  # no temporary file left
+
+
+def test_rng_states_survive_a_weights_only_round_trip(tmp_path):
+    import random
+
+    states = checkpoint.rng_states()
+    expected = (random.random(), torch.rand(3))
+    torch.save(states, tmp_path / "rng.pt")
+    checkpoint.restore_rng_states(torch.load(tmp_path / "rng.pt", weights_only=True))
+    again = (random.random(), torch.rand(3))
+    assert again[0] == expected[0]
+    torch.testing.assert_close(again[1], expected[1], rtol=0, atol=0)
