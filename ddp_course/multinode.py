@@ -164,7 +164,7 @@ def torchrun_nodes(
     nodes: Sequence[Node] | None = None,
     nnodes: str | None = None,
     endpoint: str | None = None,
-    timeout_s: float = 120.0,
+    timeout_s: float = 300.0,
     env: Mapping[str, str] | None = None,
     results: bool = False,
     echo: bool = True,
@@ -190,7 +190,9 @@ def torchrun_nodes(
         endpoint: ``HOST:PORT`` of the c10d rendezvous; default a free port on
             the first node's address.
         timeout_s: wall-clock limit in seconds for the whole job.
-        env: extra environment variables for every rank of every node.
+        env: extra environment variables for every agent and rank of every node;
+            ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` defaults to ``1`` (a fresh
+            store for the workers at each rendezvous round, see the code).
         results: pass ``--results <file>`` (one file, shared) and return its JSON.
         echo: print node 0's rank 0 output live.
         extra_torchrun_args: more torchrun flags for every node (e.g.
@@ -237,6 +239,15 @@ def torchrun_nodes(
     if DEVICE_ENV not in env and DEVICE_ENV not in os.environ:
         env[DEVICE_ENV] = device_plan(max(n.nproc for n in nodes), launch._gpu_count()).device_type
     env.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", _LINE_PREFIX_TEMPLATE)
+    # A fresh store for the workers at every rendezvous round, instead of the
+    # agents' shared one. With the shared store, keys of a dead round stay
+    # readable; runtime.distributed() keys them by TORCHELASTIC_RESTART_COUNT,
+    # but on several nodes the counts can differ (an agent whose workers did not
+    # fail restarts them uncounted when another node waits at the rendezvous:
+    # torch.distributed.elastic.agent.server.api, _invoke_run), and a node that
+    # joins a running job waits for a MASTER_ADDR that the first node never
+    # publishes for the new round (torch 2.13). Both hung here.
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     with tempfile.TemporaryDirectory(prefix="ddp_course_") as tmp:
         logs_root = pathlib.Path(log_dir) if log_dir is not None else pathlib.Path(tmp, "logs")
         results_path = pathlib.Path(tmp, "results.json") if results else None
