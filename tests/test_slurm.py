@@ -12,6 +12,7 @@ import json
 import os
 import pathlib
 import socket
+import subprocess
 import sys
 import time
 
@@ -20,6 +21,7 @@ import pytest
 
 from ddp_course import slurm
 from ddp_course.launch import free_port
+from ddp_course.runtime import device_plan
 from ddp_course.slurm import (
     DAEMONS,
     LocalSlurm,
@@ -130,3 +132,28 @@ def test_a_daemon_that_cannot_start_is_a_clear_error(monkeypatch):
                 pass
     assert time.monotonic() - start < 30
     assert "Address already in use" in str(info.value)  # the end of its log says why
+
+
+def _sbatch_device_rule(gpus: int | None, nproc: int | None) -> tuple[str, int]:
+    # The script's own lines, from the GPU count to the export, run by bash.
+    lines = SBATCH.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("gpus="))
+    end = next(i for i, line in enumerate(lines) if line.startswith("export DDP_COURSE_DEVICE"))
+    snippet = "\n".join([*lines[start : end + 1], 'echo "$DDP_COURSE_DEVICE $nproc"'])
+    env = {"PATH": os.environ["PATH"]}
+    if gpus is not None:
+        env["SLURM_GPUS_ON_NODE"] = str(gpus)
+    if nproc is not None:
+        env["NPROC_PER_NODE"] = str(nproc)
+    out = subprocess.run(["bash", "-euc", snippet], env=env, capture_output=True, text=True,
+                         timeout=10, check=True).stdout.split()  # fmt: skip
+    return out[0], int(out[1])
+
+
+@pytest.mark.parametrize("gpus", [None, 0, 1, 2, 4])
+@pytest.mark.parametrize("nproc", [None, 1, 2, 4])
+def test_the_sbatch_device_rule_is_the_course_rule(gpus, nproc):
+    device, ranks = _sbatch_device_rule(gpus, nproc)
+    expected_ranks = nproc or (gpus or 2)  # default: one rank per GPU, 2 CPU ranks without
+    assert ranks == expected_ranks
+    assert device == device_plan(expected_ranks, gpus or 0).device_type
