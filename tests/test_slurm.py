@@ -33,7 +33,7 @@ from ddp_course.slurm import (
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SBATCH = REPO / "scripts" / "11_train.sbatch"
-pytestmark = pytest.mark.timeout(400)  # a backstop: every wait below has its own timeout
+pytestmark = pytest.mark.timeout(450)  # a backstop: every wait below has its own timeout
 
 
 def _venv_path() -> str:
@@ -62,7 +62,7 @@ def test_sbatch_trains_on_slurm_and_a_requeued_job_resumes(cluster, tmp_path):
     results = tmp_path / "r.json"
     job = cluster.sbatch(SBATCH, ["--epochs", "1", "--results", str(results)], env=env,
                          options=["--nodes=1"], cwd=REPO)  # fmt: skip
-    first = cluster.wait(job, timeout_s=120)
+    first = cluster.wait(job, timeout_s=180)
     run = json.loads(results.read_text())
     # Two ranks on the one node, as torchrun under srun numbered them.
     assert run["world_size"] == 2
@@ -79,7 +79,7 @@ def test_sbatch_trains_on_slurm_and_a_requeued_job_resumes(cluster, tmp_path):
 
     # Requeue (what Slurm does after a node failure): same job id, so the same snapshot.
     cluster.requeue(job)
-    second = cluster.wait(job, timeout_s=120)
+    second = cluster.wait(job, timeout_s=180)
     again = json.loads(results.read_text())
     assert second.restarts == 1
     assert again["resumed_from"] == {"epoch": 1, "step": 0}
