@@ -1,6 +1,6 @@
 # make setup   create .venv with the pinned environment (once; again when pyproject.toml changes)
 # make course  run every notebook headless, in order, into build/notebooks
-# make test    pytest: package, scripts under torchrun, notebook sync, nbval
+# make test    pytest: package, scripts under torchrun, notebook sync, nbval (two passes)
 # make lab     JupyterLab at the repository root (terminals there, .venv/bin first on PATH)
 # make site    the executed notebooks as a website in build/site (nothing is re-run)
 # make slurm-test  scripts/11_train.sbatch on a one-node Slurm started here (root; apt-get)
@@ -23,8 +23,12 @@ setup: $(STAMP)
 course: $(STAMP)
 	$(PY) -m ddp_course course
 
+# Two passes, both always run: the tests that mostly wait (timeouts, servers,
+# start-up) on two workers, then the notebooks and timing-sensitive tests alone.
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadfile -m "not serial"; parallel=$$?; \
+	$(PY) -m pytest -m serial; serial=$$?; \
+	test $$parallel -eq 0 -a $$serial -eq 0
 
 lint: $(STAMP)
 	$(PY) -m ruff format --check .

@@ -79,6 +79,7 @@ def off_the_formula(r, p):
     return off
 
 
+@pytest.mark.serial  # it measures idle time: a neighbour on the cores would skew it
 @pytest.mark.parametrize("p", [2])
 def test_pipeline_bubble_and_memory_under_torchrun(root, p):
     ms = MICROBATCHES[p]
