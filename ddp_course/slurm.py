@@ -438,14 +438,27 @@ class LocalSlurm:
             state = "WAIT_TIMEOUT"
         output = self.output(job_id)
         if state != "COMPLETED" or fields.get("ExitCode", "0:0") != "0:0":
+            # A job that fails before its first line leaves nothing in its output;
+            # the daemons' view of it is then the only clue.
+            daemons = "".join(
+                f"\nthe end of {name}.log about job {job_id}:\n" + (_tail(lines, 8) or "(none)")
+                for name in ("slurmctld", "slurmd")
+                for lines in [self._log_lines(name, str(job_id))]
+            )
             raise SlurmJobError(
                 f"job {job_id} ended {state} (exit code {fields.get('ExitCode', '?')}, "
                 f"reason {fields.get('Reason', '?')}); the end of its output:\n"
-                + (_tail(output) or "(empty)"),
+                + (_tail(output) or "(empty)") + daemons,
                 job_id, state, output,
             )  # fmt: skip
         wall_s = time.perf_counter() - self._submitted.get(job_id, time.perf_counter())
         return JobResult(job_id, state, output, wall_s, int(fields.get("Restarts", "0")))
+
+    def _log_lines(self, daemon: str, needle: str) -> str:
+        """The lines of a daemon's log in this cluster's folder that contain ``needle``."""
+        path = self.root / f"{daemon}.log"
+        text = path.read_text(errors="replace") if path.exists() else ""
+        return "\n".join(line for line in text.splitlines() if needle in line)
 
     def requeue(self, job_id: int) -> None:
         """Requeue a running or finished batch job and let it start again at once.

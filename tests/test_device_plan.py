@@ -106,6 +106,12 @@ def _int_values(node: ast.AST, bindings: dict[str, list[ast.AST]], depth: int = 
             return set(range(*(ast.literal_eval(a) for a in node.args)))
         except ValueError:
             return set()
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add | ast.Mult):
+        # ``2 * NPROC_PER_NODE``: every combination of the two sides' values.
+        left = _int_values(node.left, bindings, depth + 1)
+        right = _int_values(node.right, bindings, depth + 1)
+        combine = (lambda a, b: a + b) if isinstance(node.op, ast.Add) else (lambda a, b: a * b)
+        return {combine(a, b) for a in left for b in right}
     if isinstance(node, ast.Name):
         found = set()
         for value in bindings.get(node.id, []):
@@ -139,6 +145,16 @@ def _bindings(tree: ast.AST) -> dict[str, list[ast.AST]]:
     return bound
 
 
+def _gpu_count_in(node: ast.AST, bindings: dict[str, list[ast.AST]]) -> bool:
+    """Whether the expression reads a name bound to ``torch.cuda.device_count()``."""
+    return any(
+        isinstance(value, ast.Call) and getattr(value.func, "attr", None) == "device_count"
+        for name in ast.walk(node)
+        if isinstance(name, ast.Name)
+        for value in bindings.get(name.id, [])
+    )
+
+
 def notebook_launches() -> list[tuple[str, int]]:
     """``(notebook, nproc)`` for every ``torchrun(...)`` call in the notebooks' code cells."""
     found = []
@@ -153,6 +169,17 @@ def notebook_launches() -> list[tuple[str, int]]:
             if not isinstance(node, ast.Call) or name != "torchrun":
                 continue
             nproc = next((k.value for k in node.keywords if k.arg == "nproc"), None)
+            if nproc is not None and _gpu_count_in(nproc, bindings):
+                # Sized from this machine's GPUs (GPU-only cells): one rank per GPU is
+                # runnable by construction; any other count must override the plan on
+                # purpose, to show the error a rank without a GPU gets.
+                env = next((k.value for k in node.keywords if k.arg == "env"), None)
+                overrides = env is not None and "DDP_COURSE_DEVICE" in ast.unparse(env)
+                assert isinstance(nproc, ast.Name) or overrides, (
+                    f"{path.name} line {node.lineno}: nproc={ast.unparse(nproc)} is not one "
+                    "rank per GPU"
+                )
+                continue
             values = {2} if nproc is None else _int_values(nproc, bindings)  # 2: the default
             assert values, (
                 f"{path.name} line {node.lineno}: cannot read nproc={ast.unparse(nproc)}; "

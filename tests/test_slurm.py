@@ -33,7 +33,9 @@ from ddp_course.slurm import (
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SBATCH = REPO / "scripts" / "11_train.sbatch"
-pytestmark = pytest.mark.timeout(450)  # a backstop: every wait below has its own timeout
+# The timeout is a backstop: every wait below has its own. The Slurm job uses
+# both cores like a notebook does: `make test` runs it in the serial pass.
+pytestmark = [pytest.mark.timeout(450), pytest.mark.serial]
 
 
 def _venv_path() -> str:
