@@ -77,6 +77,11 @@ class SlurmUnavailable(RuntimeError):
     """Slurm cannot run here; the message says what is missing and what to do."""
 
 
+CRED_EXPIRE_S = 5
+"""Seconds a job credential lives (slurm.conf ``AuthInfo=cred_expire``); also the
+wait before a requeued job may start again (https://slurm.schedmd.com/slurm.conf.html)."""
+
+
 class SlurmJobError(RuntimeError):
     """A job did not complete: it failed, was cancelled or ran past the wait.
 
@@ -265,7 +270,9 @@ class LocalSlurm:
             "SlurmdUser=root",
             "AuthType=auth/munge",
             "CredType=cred/munge",
-            f"AuthInfo=socket={root / 'munge' / 'munge.socket'}",
+            # cred_expire also sets how long a requeued job must wait: the node
+            # refuses a job id whose credential it revoked less than that ago.
+            f"AuthInfo=socket={root / 'munge' / 'munge.socket'},cred_expire={CRED_EXPIRE_S}",
             f"StateSaveLocation={root / 'state'}",
             f"SlurmdSpoolDir={root / 'spool'}",
             f"SlurmctldPidFile={root / 'slurmctld.pid'}",
@@ -461,12 +468,13 @@ class LocalSlurm:
         return "\n".join(line for line in text.splitlines() if needle in line)
 
     def requeue(self, job_id: int) -> None:
-        """Requeue a running or finished batch job and let it start again at once.
+        """Requeue a running or finished batch job and let it start again when Slurm allows.
 
         ``scontrol requeue`` is what Slurm does to a ``--requeue`` job after a
         node failure or a preemption: the job goes back to pending with the
         same job id and ``SLURM_RESTART_COUNT`` one higher. Slurm then holds it
-        for a while (``Reason=BeginTime``); ``StartTime=now`` releases it
+        for ``cred_expire`` seconds (``Reason=BeginTime``), 120 by default; this
+        cluster sets it to :data:`CRED_EXPIRE_S` and starts the job right after it
         (https://slurm.schedmd.com/scontrol.html).
 
         Raises:
@@ -485,7 +493,10 @@ class LocalSlurm:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"job {job_id} did not go back to PENDING after requeue")
             time.sleep(0.1)
-        self._run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])
+        # Not StartTime=now: started before the node forgot the first run's
+        # credential, the job is killed at once ("Job credential revoked").
+        start = f"now+{CRED_EXPIRE_S + 1}"
+        self._run(["scontrol", "update", f"JobId={job_id}", f"StartTime={start}"])
 
     # --- tear-down ----------------------------------------------------------------
 

@@ -54,9 +54,12 @@ def cluster():
     # After the context: no daemon or job step of this cluster runs and its files are gone.
     assert local.leftover_processes() == []
     assert not local.root.exists()
-    late = [p.info for p in psutil.process_iter(["name", "pid", "create_time"])
+    late = [p for p in psutil.process_iter(["name", "pid", "create_time"])
             if p.info["name"] in DAEMONS and p.info["create_time"] >= started]  # fmt: skip
-    assert late == [], f"Slurm or MUNGE processes left running: {late}"
+    # A job step forked while slurmd stopped may still be exiting (seen once): it
+    # must be gone within seconds, not left running.
+    _, alive = psutil.wait_procs(late, timeout=10)
+    assert alive == [], f"Slurm or MUNGE processes left running: {[p.info for p in alive]}"
 
 
 def test_sbatch_trains_on_slurm_and_a_requeued_job_resumes(cluster, tmp_path):
