@@ -249,6 +249,7 @@ def test_run_schedule_refuses_bad_input():
         pipeline.split_microbatches(x, 0)
 
 
+@pytest.mark.serial  # it measures the bubble: a neighbour on the cores would skew it
 def test_pipelined_step_over_gloo_equals_one_process(workers):
     p, m = 3, 4
     job = launch.torchrun(workers / "pipeline_step.py", ["--microbatches", str(m)], nproc=p,
