@@ -53,6 +53,7 @@ from typing import Any
 
 import psutil
 
+from . import runtime
 from .runtime import DEVICE_ENV, device_plan
 
 __all__ = [
@@ -61,6 +62,7 @@ __all__ = [
     "LaunchResult",
     "LaunchTimeout",
     "free_port",
+    "is_timeout",
     "loopback_interface",
     "python",
     "torchrun",
@@ -195,9 +197,22 @@ def _shown_path(script: str | os.PathLike) -> str:
 
 
 def _gpu_count() -> int:
-    import torch
+    return runtime.gpu_count()
 
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+# What a collective that waited too long leaves in a rank's log, on either
+# backend. gloo raises in the rank's thread: "... Timed out waiting 5000ms for
+# recv operation to complete". nccl's host call returns at once; its watchdog
+# thread later logs "Watchdog caught collective operation timeout:
+# WorkNCCL(...) ran for 5001 milliseconds before timing out" and takes the
+# process down. A store wait that runs out says "Timed out after ...".
+_TIMEOUT = re.compile(r"timed out|before timing out|collective operation timeout", re.IGNORECASE)
+
+
+def is_timeout(text: str) -> bool:
+    """Whether ``text`` (a rank's log) shows a collective or store timeout on
+    gloo or nccl (see the comment above for the words each backend uses)."""
+    return _TIMEOUT.search(text) is not None
 
 
 def _read_rank_logs(log_dir: pathlib.Path) -> dict[int, str]:
@@ -529,14 +544,7 @@ def torchrun(
     path = _check_script(script)
     if nproc < 1:
         raise ValueError(f"nproc must be at least 1, not {nproc}")
-    env = dict(env or {})
-    prefix = ""
-    if DEVICE_ENV not in env and DEVICE_ENV not in os.environ:
-        plan = device_plan(nproc, _gpu_count() if gpus is None else gpus)
-        env[DEVICE_ENV] = plan.device_type
-        if plan.fallback:
-            print(plan.reason, flush=True)
-            prefix = f"{DEVICE_ENV}=cpu "
+    env, prefix = _planned_env(env, nproc, gpus)
     single_node = not _is_multi_node(extra_torchrun_args)
     loopback = loopback_interface() if single_node else None
     if loopback is not None:
@@ -579,21 +587,54 @@ def python(
     env: Mapping[str, str] | None = None,
     results: bool = False,
     echo: bool = True,
+    reference_for: int = 1,
+    gpus: int | None = None,
 ) -> LaunchResult:
     """Run ``python script *args`` as one plain process (no torchrun), like
     :func:`torchrun` otherwise: first and last lines, live output, timeout,
     errors, results.
 
-    ``logs`` of the result is ``{0: output}``. Raises as :func:`torchrun`.
+    The process runs on the device a rank of a ``reference_for``-rank job
+    would get (:func:`ddp_course.runtime.device_plan`), passed to it in
+    ``DDP_COURSE_DEVICE``: a one-process reference compared with a 2-rank job
+    on a one-GPU machine runs on the CPU like the ranks, not on ``cuda:0``.
+
+    Args:
+        reference_for: ranks of the job this run is compared with (1: a
+            plain run, on a GPU whenever there is one).
+        gpus: GPUs for the device rule; default
+            :func:`ddp_course.runtime.gpu_count`.
+
+    ``logs`` of the result is ``{0: output}``. Raises as :func:`torchrun`,
+    and ``ValueError`` if ``reference_for`` < 1.
     """
     path = _check_script(script)
+    if reference_for < 1:
+        raise ValueError(f"reference_for must be at least 1, not {reference_for}")
+    env, prefix = _planned_env(env, reference_for, gpus)
     with tempfile.TemporaryDirectory(prefix="ddp_course_") as tmp:
         results_path = pathlib.Path(tmp, "results.json") if results else None
         cmd = [sys.executable, str(path.resolve()), *args]
         if results_path is not None:
             cmd += ["--results", str(results_path)]
-        shown = shlex.join(["python", _shown_path(script), *args])
-        return _run_job(cmd, path, 1, timeout_s, dict(env or {}), echo, None, results_path, shown)
+        shown = prefix + shlex.join(["python", _shown_path(script), *args])
+        return _run_job(cmd, path, 1, timeout_s, env, echo, None, results_path, shown)
+
+
+def _planned_env(
+    env: Mapping[str, str] | None, nproc: int, gpus: int | None
+) -> tuple[dict[str, str], str]:
+    """``env`` with the device plan of ``nproc`` ranks in ``DDP_COURSE_DEVICE``
+    (unless set already), and the prefix of the command line shown."""
+    env = dict(env or {})
+    if DEVICE_ENV in env or DEVICE_ENV in os.environ:
+        return env, ""
+    plan = device_plan(nproc, _gpu_count() if gpus is None else gpus)
+    env[DEVICE_ENV] = plan.device_type
+    if not plan.fallback:
+        return env, ""
+    print(plan.reason, flush=True)
+    return env, f"{DEVICE_ENV}=cpu "
 
 
 # --- torchrun with loopback-only stores (what ``python -m ddp_course.launch`` runs) ---

@@ -36,9 +36,12 @@ __all__ = [
     "device_plan",
     "distributed",
     "get_logger",
+    "gpu_count",
+    "no_tf32",
     "pick_backend",
     "pick_device",
     "rank0_first",
+    "replica_devices",
     "seed_everything",
 ]
 
@@ -177,8 +180,65 @@ def device_for_rank(local_rank: int, gpu_count: int, planned: str | None = None)
     return torch.device("cuda", local_rank)
 
 
-def _gpu_count() -> int:
+def gpu_count() -> int:
+    """GPUs this process can use: ``torch.cuda.device_count()``, 0 without CUDA.
+
+    Every device decision in the course reads the count through this function
+    (tests patch it to play a machine with 0, 1, 2 or 4 GPUs).
+    """
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _gpu_count() -> int:
+    return gpu_count()
+
+
+def replica_devices(num_replicas: int | None, gpus: int) -> list[torch.device]:
+    """The devices of single-process DataParallel's replicas, by the course's device rule.
+
+    One GPU per replica when there are enough (``cuda:0`` .. ``cuda:n-1``, as
+    ``nn.DataParallel(device_ids=range(n))``), otherwise every replica on the
+    CPU (threads of one process), as :func:`device_plan` does for ranks: a
+    replica never shares a GPU with another.
+
+    Args:
+        num_replicas: replicas wanted; ``None``: one per GPU, or 2 without GPUs.
+        gpus: GPUs visible (:func:`gpu_count`).
+
+    Returns:
+        ``num_replicas`` devices; the module must live on the first.
+
+    Raises:
+        ValueError: ``num_replicas`` < 1 or ``gpus`` < 0.
+    """
+    if gpus < 0:
+        raise ValueError(f"gpus cannot be negative, not {gpus}")
+    n = num_replicas if num_replicas is not None else (gpus or 2)
+    if n < 1:
+        raise ValueError(f"num_replicas must be at least 1, not {n}")
+    if 0 < n <= gpus:
+        return [torch.device("cuda", i) for i in range(n)]
+    return [torch.device("cpu")] * n
+
+
+def no_tf32() -> None:
+    """Make float32 matmuls and cuDNN convolutions compute in full float32.
+
+    On Ampere and newer GPUs torch may use TensorFloat-32 (10-bit mantissa)
+    for float32 work: off for matmuls, on for cuDNN convolutions by default
+    (https://pytorch.org/docs/stable/notes/cuda.html#tensorfloat-32-tf32-on-ampere-and-later-devices).
+    A run compared with a reference to 1e-5 must not round to 1e-3 on one
+    side only, so every equivalence check calls this on both sides. Uses the
+    ``fp32_precision`` settings of torch >= 2.9, the ``allow_tf32`` flags
+    before that; a no-op for the CPU.
+    """
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    if hasattr(matmul, "fp32_precision") and hasattr(cudnn, "conv"):
+        matmul.fp32_precision = "ieee"
+        cudnn.conv.fp32_precision = "ieee"
+    else:  # torch < 2.9
+        matmul.allow_tf32 = False
+        cudnn.allow_tf32 = False
 
 
 def pick_device(local_rank: int = 0) -> torch.device:

@@ -219,3 +219,83 @@ def test_launcher_falls_back_to_cpu_and_the_workers_follow(workers, capsys):
     assert job.results["device"] == "cpu" and job.results["backend"] == "gloo"
     for rank in (0, 1):
         assert f"rank {rank}: device cpu, backend gloo, DDP_COURSE_DEVICE=cpu" in job.logs[rank]
+
+
+def test_a_one_process_reference_runs_where_the_ranks_of_its_job_run(workers, capsys):
+    # One GPU, a 2-rank job: its ranks run on CPU, so its one-process reference must
+    # too (on cuda:0 the two would be compared across devices).
+    job = launch.python(
+        workers / "launch_sleep.py", ["--pretend-gpus", "1"], reference_for=2, gpus=1,
+        results=True, timeout_s=120,
+    )  # fmt: skip
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == "2 ranks, 1 GPU: running on CPU with gloo so every rank has a device"
+    assert printed[1].startswith("$ DDP_COURSE_DEVICE=cpu python ")
+    assert job.results["device"] == "cpu"
+    assert "DDP_COURSE_DEVICE=cpu" in job.logs[0]
+
+
+@pytest.mark.parametrize("gpus", [0, 1, 2, 4])
+@pytest.mark.parametrize("nproc", [1, 2, 4])
+def test_reference_and_job_get_the_same_device_type(monkeypatch, nproc, gpus):
+    # What launch.python(reference_for=nproc) passes to its process is what
+    # launch.torchrun(nproc=nproc) passes to every rank, on every GPU count.
+    for name in (runtime.DEVICE_ENV,):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(runtime, "gpu_count", lambda: gpus)
+    ref_env, _ = launch._planned_env(None, nproc, None)
+    job_env, _ = launch._planned_env(None, nproc, gpus)
+    assert ref_env[runtime.DEVICE_ENV] == job_env[runtime.DEVICE_ENV]
+    assert ref_env[runtime.DEVICE_ENV] == ("cuda" if 0 < nproc <= gpus else "cpu")
+    # A plain run (reference_for=1) uses a GPU whenever there is one.
+    plain, _ = launch._planned_env(None, 1, None)
+    assert plain[runtime.DEVICE_ENV] == ("cuda" if gpus else "cpu")
+
+
+def test_reference_for_must_be_a_rank_count(workers):
+    with pytest.raises(ValueError, match="reference_for must be at least 1"):
+        launch.python(workers / "launch_sleep.py", reference_for=0)
+
+
+@pytest.mark.parametrize("gpus", [0, 1, 2, 4])
+@pytest.mark.parametrize("replicas", [None, 1, 2, 3, 4])
+def test_data_parallel_replicas_never_share_a_gpu(replicas, gpus):
+    devices = runtime.replica_devices(replicas, gpus)
+    assert len(devices) == (replicas or gpus or 2)
+    cuda = [d.index for d in devices if d.type == "cuda"]
+    assert len(set(cuda)) == len(cuda) and all(i < gpus for i in cuda)
+    # All on GPUs or all on the CPU, GPUs whenever each replica can have one.
+    assert {d.type for d in devices} == {"cuda" if 0 < len(devices) <= gpus else "cpu"}
+    with pytest.raises(ValueError, match="num_replicas must be at least 1"):
+        runtime.replica_devices(0, gpus)
+
+
+def test_no_tf32_turns_tensor_float_32_off_for_matmuls_and_convolutions(monkeypatch):
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    if not hasattr(matmul, "fp32_precision"):
+        pytest.skip("torch < 2.9 has the allow_tf32 flags only")
+    before = matmul.fp32_precision, cudnn.conv.fp32_precision
+    try:
+        cudnn.conv.fp32_precision = "tf32"  # torch's default for convolutions
+        runtime.no_tf32()
+        assert (matmul.fp32_precision, cudnn.conv.fp32_precision) == ("ieee", "ieee")
+    finally:
+        matmul.fp32_precision, cudnn.conv.fp32_precision = before
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("RuntimeError: [gloo/transport/tcp/pair.cc:534] Timed out waiting 5000ms", True),
+        (
+            "[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=4, "
+            "OpType=ALLREDUCE, Timeout(ms)=5000) ran for 5004 milliseconds before timing out.",
+            True,
+        ),  # fmt: skip
+        ("torch.distributed.DistStoreError: Timed out after 31 seconds waiting for clients", True),
+        ("RuntimeError: Connection closed by peer [127.0.0.1]:29500", False),
+        ("loss 0.31 after 12 steps", False),
+    ],
+)
+def test_a_timeout_is_recognised_on_both_backends(text, expected):
+    assert launch.is_timeout(text) is expected
