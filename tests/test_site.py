@@ -157,3 +157,43 @@ def test_checks_fail_on_a_broken_site(tmp_path):
     (tmp_path / "img.png").write_bytes(png)
     assert hashlib.sha256(png).hexdigest() in site_image_digests(tmp_path)
     assert hashlib.sha256(png + b"!").hexdigest() not in site_image_digests(tmp_path)
+
+
+class _Folds(html.parser.HTMLParser):
+    """For each text 'Solution to exercise N' and each solution code cell: is it inside
+    an open <details> element (folded until the reader opens it)?"""
+
+    def __init__(self):
+        super().__init__()
+        self.depth, self.stack = 0, []
+        self.titles: list[bool] = []
+        self.code: list[bool] = []
+
+    def handle_starttag(self, tag, attrs):
+        classes = (dict(attrs).get("class") or "").split()
+        if tag == "details":
+            self.depth += 1
+        if tag == "div" and "tag_solution" in classes:
+            # myst-nb folds a hide-cell cell's input and output in <details> inside the div.
+            self.code.append("tag_hide-cell" in classes)
+
+    def handle_endtag(self, tag):
+        if tag == "details":
+            self.depth -= 1
+
+    def handle_data(self, data):
+        if re.search(r"Solution to exercise \d+", data):
+            self.titles.append(self.depth > 0)
+
+
+def test_worked_solutions_are_folded_on_the_site(site):
+    found = 0
+    for path in LESSONS:
+        if '"## Solutions\\n"' not in path.read_text():
+            continue  # solutions not yet in the folded form (tests/test_exercises.py)
+        folds = _Folds()
+        folds.feed((site / "notebooks" / f"{path.stem}.html").read_text())
+        assert all(folds.titles), f"{path.stem}: a solution's title outside <details>"
+        assert all(folds.code), f"{path.stem}: a solution's code cell is not folded"
+        found += len(folds.titles)
+    assert found >= 11  # lessons 00, 01 and 08 have one per exercise
