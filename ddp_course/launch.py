@@ -57,6 +57,7 @@ from . import runtime
 from .runtime import DEVICE_ENV, device_plan
 
 __all__ = [
+    "HEARTBEAT_ENV",
     "HEARTBEAT_S",
     "LaunchError",
     "LaunchResult",
@@ -345,8 +346,18 @@ def _kill_job(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
 
 
 # Seconds between the "still running" lines of a job that echoes nothing: a
-# learner sees it is alive; few enough lines to read in a stored output.
+# learner sees it is alive. DDP_COURSE_HEARTBEAT_S overrides it; 0 turns the
+# lines off (``python -m ddp_course execute`` does, so stored outputs hold none).
 HEARTBEAT_S = 10.0
+HEARTBEAT_ENV = "DDP_COURSE_HEARTBEAT_S"
+
+
+def _heartbeat_s() -> float:
+    value = os.environ.get(HEARTBEAT_ENV, "")
+    try:
+        return float(value) if value else HEARTBEAT_S
+    except ValueError:
+        raise ValueError(f"{HEARTBEAT_ENV}={value!r} is not a number of seconds") from None
 
 
 def _wait(
@@ -355,10 +366,12 @@ def _wait(
     """``proc.wait(timeout_s)``, printing ``  ... NAME still running, N s`` every
     :data:`HEARTBEAT_S` seconds when ``heartbeat``; raises ``TimeoutExpired``."""
     deadline = start + timeout_s
+    every = _heartbeat_s()
+    heartbeat = heartbeat and every > 0
     while True:
         left = deadline - time.perf_counter()
         try:
-            return proc.wait(timeout=max(0.0, min(left, HEARTBEAT_S)))
+            return proc.wait(timeout=max(0.0, min(left, every if heartbeat else left)))
         except subprocess.TimeoutExpired:
             if time.perf_counter() >= deadline:
                 raise

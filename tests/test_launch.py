@@ -203,3 +203,17 @@ def test_a_silent_job_says_it_is_still_running(tmp_path, monkeypatch, capsys):
     assert len(beats) >= 2 and all(re.fullmatch(r"  \.\.\. slow\.py still running, \d+ s", b)
                                    for b in beats)  # fmt: skip
     assert "never shown" not in "\n".join(lines)
+
+
+def test_heartbeat_lines_can_be_turned_off(tmp_path, monkeypatch, capsys):
+    # What ``python -m ddp_course execute`` does, so stored outputs hold no such lines.
+    script = tmp_path / "slow.py"
+    script.write_text("import time\ntime.sleep(1.5)\n")
+    monkeypatch.setattr(launch, "HEARTBEAT_S", 0.5)
+    monkeypatch.setenv(launch.HEARTBEAT_ENV, "0")
+    launch.python(script, echo=False)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line for line in lines if "still running" not in line] == lines and len(lines) == 2
+    monkeypatch.setenv(launch.HEARTBEAT_ENV, "soon")
+    with pytest.raises(ValueError, match="not a number of seconds"):
+        launch.python(script, echo=False)
