@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["MLP", "LayerStack", "SeedCNN", "SmallCNN", "conv_output_features", "resnet18_mnist"]
+__all__ = ["MLP", "BuggyCNN", "LayerStack", "SmallCNN", "conv_output_features", "resnet18_mnist"]
 
 
 def conv_output_features(features: nn.Module, input_shape=(1, 28, 28)) -> int:
@@ -62,8 +62,8 @@ class SmallCNN(nn.Module):
         return self.classifier(self.features(x))
 
 
-class SeedCNN(nn.Module):
-    """The seed material's CNN, kept to show its two mistakes in lesson 01.
+class BuggyCNN(nn.Module):
+    """A CNN with two mistakes that circulate widely, kept to show them in lesson 01.
 
     1. Its first linear layer takes ``64 * 13 * 13`` features, but the
        convolutions output ``64 * 12 * 12 = 9216``: the forward pass raises
@@ -72,7 +72,7 @@ class SeedCNN(nn.Module):
        ``log_softmax`` again: the loss can never go below
        ``log(e + 9) - 1 = 1.4612`` for 10 classes and gradients shrink.
 
-    ``SeedCNN(in_features=None)`` fixes the first mistake only, so the
+    ``BuggyCNN(in_features=None)`` fixes the first mistake only, so the
     second can be measured on its own.
     """
 

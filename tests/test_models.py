@@ -1,4 +1,4 @@
-"""models: shapes, the seed's two mistakes, pipeline stages."""
+"""models: shapes, BuggyCNN's two mistakes, pipeline stages."""
 
 import math
 
@@ -15,13 +15,13 @@ def test_small_cnn_outputs_logits():
     assert not torch.allclose(out.sum(1), torch.ones(4))  # not probabilities
 
 
-def test_seed_cnn_linear_layer_does_not_fit():
+def test_buggy_cnn_linear_layer_does_not_fit():
     with pytest.raises(RuntimeError, match="cannot be multiplied"):
-        models.SeedCNN()(torch.randn(2, 1, 28, 28))
+        models.BuggyCNN()(torch.randn(2, 1, 28, 28))
 
 
 def test_double_softmax_has_a_loss_floor():
-    model = models.SeedCNN(in_features=None).eval()
+    model = models.BuggyCNN(in_features=None).eval()
     probs = model(torch.randn(2, 1, 28, 28))
     torch.testing.assert_close(probs.sum(1), torch.ones(2))
     perfect = torch.eye(10)
