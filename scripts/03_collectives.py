@@ -7,8 +7,10 @@ torchrun --nproc_per_node=4 scripts/03_collectives.py --device cpu  # gloo even 
 
 Every rank records what it held before and after each operation; rank 0
 gathers the records and writes them to --results. With --deadlock every
-rank calls a blocking recv before its send, so all of them wait for ever;
-the process-group timeout (--timeout-s) turns the hang into an error.
+rank calls recv before its send, so all of them wait for ever; the
+process-group timeout (--timeout-s) turns the hang into an error: gloo's recv
+raises "Timed out ...", nccl's watchdog reports a "collective operation
+timeout" and takes the process down.
 """
 
 import argparse
@@ -34,7 +36,9 @@ def point_to_point(ctx) -> dict:
     right, left = (rank + 1) % n, (rank - 1) % n
     out = {}
     # Blocking send/recv: even ranks send first, odd ranks receive first, so
-    # every blocking call has a partner that is already waiting for it.
+    # every blocking call has a partner that is already waiting for it. (gloo
+    # blocks the host; nccl queues them on the GPU in this order, and a queued
+    # recv blocks what comes after it on the stream just the same.)
     mine, got = (
         torch.tensor([100 + rank], device=dev),
         torch.zeros(1, dtype=torch.int64, device=dev),
@@ -56,7 +60,11 @@ def point_to_point(ctx) -> dict:
         else:
             work = dist.irecv(buf, 0)
             before, done_before = buf.tolist(), work.is_completed()
+            # gloo: wait() blocks until the data is in buf. nccl: it makes the current
+            # CUDA stream wait and returns; synchronize() then blocks the host too.
             work.wait()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
             out["irecv"] = {
                 "before_wait": before,
                 "completed_before_wait": done_before,
@@ -155,7 +163,15 @@ def subgroups(ctx) -> dict:
 
 
 def sync_versus_async(ctx, numel: int = 4 * 2**20) -> dict:
-    """all_reduce blocking versus async_op=True, with work done before wait()."""
+    """all_reduce without and with async_op=True, with work done before wait().
+
+    Seconds on the host clock. ``*_call_s``: until the all_reduce call returned
+    to Python. gloo's plain call blocks the host until the result is in t;
+    nccl's only enqueues the collective on a CUDA stream and returns (later
+    work on the current stream waits for it). ``*_total_s``: until the
+    all_reduce and the products were done, read after torch.cuda.synchronize
+    on a GPU, so the same on both backends.
+    """
     dev = ctx.device
     a = torch.randn(256, 256, device=dev)
 
@@ -163,21 +179,29 @@ def sync_versus_async(ctx, numel: int = 4 * 2**20) -> dict:
         for _ in range(20):
             a.mul_(0.5).add_(a @ a * 1e-3)
 
+    def finish():  # a clock read after GPU work must wait for the GPU first
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
     t = torch.ones(numel, device=dev)
+    finish()
     start = time.perf_counter()
-    dist.all_reduce(t)  # returns when the result is in t
+    dist.all_reduce(t)  # gloo: returns when the result is in t; nccl: once it is queued
     sync_call = time.perf_counter() - start
-    compute()
+    compute()  # runs after the all_reduce (nccl: queued behind it on the stream)
+    finish()
     sync_total = time.perf_counter() - start
     sync_ok = bool((t == ctx.world_size).all())
 
     t = torch.ones(numel, device=dev)
+    finish()
     start = time.perf_counter()
     work = dist.all_reduce(t, async_op=True)  # returns at once with a Work handle
     async_call = time.perf_counter() - start
     completed_at_call = work.is_completed()
     compute()  # overlaps with the communication
-    work.wait()  # only now may t be read
+    work.wait()  # gloo: blocks until t holds the sum; nccl: the current stream waits for it
+    finish()  # nccl: the host waits too, so the clock and is_completed() see the end
     async_total = time.perf_counter() - start
     return {"numel": numel, "sync_call_s": sync_call, "sync_total_s": sync_total,
             "async_call_s": async_call, "async_total_s": async_total,
@@ -186,11 +210,17 @@ def sync_versus_async(ctx, numel: int = 4 * 2**20) -> dict:
 
 
 def deadlock(ctx) -> None:
-    """Every rank receives before it sends: each waits for a send that never comes."""
+    """Every rank receives before it sends: each waits for a send that never comes.
+
+    gloo: recv blocks the host and raises "Timed out ..." after --timeout-s.
+    nccl: recv is queued on the GPU and the host goes on; the queued recv never
+    completes, and the watchdog thread reports "... collective operation
+    timeout ... before timing out" and takes the process down.
+    """
     got = torch.zeros(1, device=ctx.device)
     left, right = (ctx.rank - 1) % ctx.world_size, (ctx.rank + 1) % ctx.world_size
     get_logger(ctx).info("every rank calls recv first: nobody sends, so everybody waits")
-    dist.recv(got, left)  # blocks until the process-group timeout
+    dist.recv(got, left)  # never completes: the process-group timeout ends it
     dist.send(torch.ones(1, device=ctx.device), right)
 
 

@@ -6,10 +6,13 @@ torchrun --nproc_per_node=2 scripts/03_process_groups.py --results build/03_grou
 
 Every rank records the environment variables that torchrun added to its
 parent's (read from the parent process with psutil), then creates the
-default process group three times, once per init method, each time with
-no backend argument, and checks an all_reduce. While the env:// group is up,
-rank 0 lists the TCP sockets the job listens on. With one GPU per rank it
-also creates the group with the per-device backend string and device_id=.
+default process group three times, once per init method, and checks an
+all_reduce. There is no backend argument, except for a CPU job on a GPU
+machine: there torch's default is nccl only, which cannot move CPU tensors,
+so it names gloo. While the env:// group is up, rank 0 lists the TCP sockets
+the job listens on. With one GPU per rank (the launcher's device plan) it
+also creates the group with the per-device backend string and device_id=,
+a fourth entry under "init".
 """
 
 import argparse
@@ -23,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_course.launch import free_port
+from ddp_course.runtime import gpu_count, pick_device
 
 
 def added_by_launcher() -> dict[str, str] | None:
@@ -70,16 +74,21 @@ def main() -> None:
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))  # fmt: skip
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    one_gpu_each = gpus >= local_world_size
-    device = torch.device("cuda", local_rank) if one_gpu_each else torch.device("cpu")
-    if device.type == "cuda":
+    # The launcher's plan (DDP_COURSE_DEVICE): cuda:<local_rank> only when every
+    # rank has a GPU of its own, else the CPU for the whole job.
+    device = pick_device(local_rank)
+    one_gpu_each = device.type == "cuda"
+    if one_gpu_each:
         torch.cuda.set_device(device)
-    record: dict = {"world_size": world_size, "added_by_launcher": added, "init": {}}
+    # No backend argument: torch picks the backend of the machine's accelerator,
+    # nccl where there is a GPU (and, in recent torch, no CPU backend beside it),
+    # gloo otherwise. A CPU job on a GPU machine must name gloo.
+    backend = "gloo" if device.type == "cpu" and gpu_count() > 0 else None
+    record: dict = {"world_size": world_size, "added_by_launcher": added, "init": {},
+                    "device": str(device), "backend_argument": backend}  # fmt: skip
 
-    # 1. env:// with no backend argument: torch picks a backend per device type.
-    dist.init_process_group()
+    # 1. env:// with no backend argument: torch picks the accelerator's backend.
+    dist.init_process_group(backend=backend)
     record["init"]["env://"] = {"backend": dist.get_backend_config(),
                                 "sum": all_reduce_check(rank, world_size, device)}  # fmt: skip
     pids = [None] * world_size
@@ -98,7 +107,7 @@ def main() -> None:
     # store of its own (the agent's serves env://); a tcp:// store must be rank 0's.
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     for method in rendezvous:
-        dist.init_process_group(init_method=method, rank=rank, world_size=world_size)
+        dist.init_process_group(backend, init_method=method, rank=rank, world_size=world_size)
         name = method.split("//")[0] + "//"
         record["init"][name] = {"backend": dist.get_backend_config(),
                                 "sum": all_reduce_check(rank, world_size, device)}  # fmt: skip
@@ -116,7 +125,10 @@ def main() -> None:
         }
         dist.destroy_process_group()
     else:
-        record["skipped"] = f"per-device backends need one GPU per rank; {gpus} GPU(s) here"
+        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        record["skipped"] = (
+            f"per-device backends need one GPU per rank; {gpu_count()} GPU(s), {ranks_here} rank(s)"
+        )
     if rank == 0 and args.results:
         with open(args.results, "w") as f:
             json.dump(record, f, indent=1)

@@ -12,9 +12,11 @@ patterns that model the link: "send" (rank 0 to rank 1 only) and "exchange"
 (every rank sends to its right neighbour and receives from its left one at
 once, one ring step). Times are the slowest rank's, medians over repeats
 after warm-up; algbw and busbw as in nccl-tests' PERFORMANCE.md; an
-alpha-beta model t = alpha + S/B is fitted to each curve. busbw normalises
-by what a bandwidth-optimal all-reduce must move, whatever the algorithm; the
-rate the busiest rank really sent at ("busiest_GBps") is reported beside it.
+alpha-beta model t = alpha + S/B is fitted to each curve of three sizes or
+more. busbw normalises by what a bandwidth-optimal all-reduce must move,
+whatever the algorithm; the rate the busiest rank really sent at
+("busiest_GBps") is reported beside it. On a GPU every timed call ends with
+torch.cuda.synchronize (bench.time_op): nccl calls return once queued.
 """
 
 import argparse
@@ -183,7 +185,11 @@ def main() -> None:
             results["sizes"] = sizes
             results["sweep"] = timed
             results["fits"] = {}
-            for name, row in timed.items():
+            # A line through two sizes fits them exactly, noise and all: its intercept
+            # can come out negative. Fit alpha and B only over three sizes or more.
+            if len(sizes) < 3:
+                log.info(f"{len(sizes)} sizes: too few to fit alpha and B, none fitted")
+            for name, row in timed.items() if len(sizes) >= 3 else ():
                 fit = fit_alpha_beta(sizes, row["median_s"])
                 results["fits"][name] = {
                     "alpha_s": fit.alpha,

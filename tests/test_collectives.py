@@ -14,7 +14,7 @@ import pathlib
 import pytest
 import torch
 
-from ddp_course import launch
+from ddp_course import launch, runtime
 from ddp_course.collectives import (
     parameter_server_all_reduce,
     ring_all_gather,
@@ -93,7 +93,8 @@ def launched(request):
 def test_worker_checked_every_case(launched):
     n, results = launched
     assert results["world_size"] == n
-    assert results["backend"] == "gloo"
+    # The launcher's device plan: nccl where every rank has a GPU, else gloo.
+    assert results["backend"] == runtime.device_plan(n, runtime.gpu_count()).backend
     assert results["cases"] >= 80
     # With N >= 3 the ranks 1..N-1 also ran both algorithms on a subgroup.
     assert results["subgroup_checked"] == (n - 1 if n >= 3 else None)
@@ -123,7 +124,10 @@ def test_counted_parameter_server_bytes_at_server_and_workers(launched):
 def test_script_03_runs_as_a_group_of_one(root):
     job = launch.python(root / "scripts/03_collectives.py", results=True, echo=False)
     r = job.results
-    assert (r["world_size"], r["backend"]) == (1, "gloo")
+    assert (r["world_size"], r["backend"]) == (
+        1,
+        runtime.device_plan(1, runtime.gpu_count()).backend,
+    )
     [record] = r["ranks"]
     assert "point_to_point" not in record  # skipped, and the log says so
     assert "point-to-point needs a peer" in job.output
