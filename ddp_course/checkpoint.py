@@ -4,8 +4,12 @@ Rules (https://pytorch.org/tutorials/intermediate/ddp_tutorial.html, section
 "Save and Load Checkpoints"):
 
 - save once, on rank 0, then ``barrier()`` so no rank reads a half-written
-  file; write to a temporary file and ``os.replace`` it, so a crash never
-  leaves a truncated checkpoint;
+  file; write to a temporary file, ``fsync`` it, ``os.replace`` it onto the
+  checkpoint and ``fsync`` the folder: a crash of the process at any point
+  leaves the previous checkpoint or the new one, never a truncated file, and
+  once the save returned the new one also survives a crash of the host (a
+  power cut, a kernel panic) on a local file system that honours ``fsync``
+  (a network file system may not: see its own guarantees);
 - save the unwrapped module's state dict (no ``module.`` prefix, nor the
   ``_orig_mod.`` prefix of a ``torch.compile``'d model) and strip the
   prefixes when loading one saved from a wrapper;
@@ -91,6 +95,17 @@ def save_checkpoint(
 
     Every rank must call this (it ends in a barrier). ``extra`` holds plain
     values such as ``epoch=3``, so the file loads with ``weights_only=True``.
+
+    The bytes reach the disk before the rename (``fsync`` of the temporary
+    file) and the rename reaches it before this returns (``fsync`` of the
+    folder, on POSIX systems): without them ``os.replace`` survives a crash of
+    the process but not of the host, after which the checkpoint can be empty
+    or the old one. Not every file system honours ``fsync`` (some network file
+    systems acknowledge it early).
+
+    Raises:
+        OSError: the folder cannot be created, or writing or syncing failed
+            (a full disk); the previous checkpoint at ``path`` is then intact.
     """
     if ctx.is_main:
         path = pathlib.Path(path)
@@ -102,11 +117,31 @@ def save_checkpoint(
         os.close(fd)
         try:
             torch.save(payload, tmp)
+            _fsync_file(tmp)  # the data on disk before the rename can point at it
             os.replace(tmp, path)
+            _fsync_folder(path.parent)  # the rename itself on disk
         finally:
             if os.path.exists(tmp):
                 os.remove(tmp)
     barrier(ctx)
+
+
+def _fsync_file(path: str | os.PathLike) -> None:
+    # torch.save closed the file: its bytes may still sit in the page cache.
+    with open(path, "rb+") as handle:
+        os.fsync(handle.fileno())
+
+
+def _fsync_folder(folder: pathlib.Path) -> None:
+    # A rename changes an entry of the folder: syncing the folder writes it.
+    # Windows cannot open a folder with os.open; there the rename is not synced.
+    if os.name != "posix":
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def load_checkpoint(

@@ -8,9 +8,10 @@ collective at fault.
 - :func:`rank_processes` and :func:`py_spy_dumps`: the Python stack of every
   rank of a running (hung) job, with ``py-spy dump --pid``.
 - :func:`dump_flight_recorder`, :func:`read_flight_recorder` and
-  :func:`first_divergence`: torch's flight recorder (``TORCH_FR_BUFFER_SIZE``)
-  written per rank in the format of PyTorch's analyzer ``torchfrtrace``, read
-  back, and the first collective the ranks disagree on.
+  :func:`first_divergence`: torch's flight recorder (on by default in torch
+  2.13, ``TORCH_FR_BUFFER_SIZE`` entries, 2000 unless set) written per rank in
+  the format of PyTorch's analyzer ``torchfrtrace``, read back, and the first
+  collective the ranks disagree on.
 """
 
 from __future__ import annotations
@@ -186,9 +187,15 @@ def dump_flight_recorder(folder: str | os.PathLike, rank: int) -> pathlib.Path:
     """Write this rank's flight-recorder buffer to ``folder/rank_<rank>`` (a pickle).
 
     The recorder keeps the last ``TORCH_FR_BUFFER_SIZE`` collectives of every
-    process group (set the variable before the group is created; 0 means
-    off). PyTorch's analyzer reads one such file per rank:
+    process group: 2000 by default in torch 2.13, read when the first group is
+    created, 0 turns it off. PyTorch's analyzer reads one such file per rank:
     ``torchfrtrace FOLDER --prefix rank_``.
+
+    Call it from Python, e.g. in an ``except`` around the training loop: on
+    gloo a timed-out collective raises there. On nccl the watchdog thread
+    aborts the process on a timeout and no ``except`` runs; set
+    ``TORCH_FR_DUMP_TEMP_FILE=FOLDER/rank_`` (and ``TORCH_NCCL_DUMP_ON_TIMEOUT=1``)
+    before the group is created, and the watchdog writes the same files.
 
     A gloo dump from torch 2.13 lists its process groups under the name ``''``
     in ``pg_config`` while its entries name the group ``'0'``; the analyzer
@@ -196,15 +203,17 @@ def dump_flight_recorder(folder: str | os.PathLike, rank: int) -> pathlib.Path:
     is keyed by the names the entries use, which is what the analyzer expects.
 
     Raises:
-        RuntimeError: the flight recorder is off (``TORCH_FR_BUFFER_SIZE`` unset or 0)
-            or this torch cannot dump it.
+        RuntimeError: the recorder holds nothing (``TORCH_FR_BUFFER_SIZE=0``, a
+            torch that leaves it off by default, or no collective ran yet) or
+            this torch cannot dump it.
     """
     trace = pickle.loads(_dump_fr())
     entries = trace.get("entries", [])
     if not entries:
         raise RuntimeError(
-            "the flight recorder holds no entries: set TORCH_FR_BUFFER_SIZE=2000 (or more) "
-            "in the environment of every rank before the process group is created"
+            "the flight recorder holds no entries: no collective ran yet, or it is off; "
+            "set TORCH_FR_BUFFER_SIZE=2000 (torch 2.13's default) in the environment of "
+            "every rank before the process group is created"
         )
     old = trace.get("pg_config", {})
     config = {}

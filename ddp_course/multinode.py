@@ -1,11 +1,18 @@
 """Several ``torchrun`` agents as the nodes of one job, on one machine.
 
-On a cluster every node runs the same command with its own ``--node-rank``::
+On a cluster every node runs the same command with its own ``--node-rank``,
+its own address and the name of the interface between the nodes (here ``eth1``;
+without it gloo and nccl use the address the hostname resolves to, 127.0.1.1 on
+many VMs, and the job hangs), the same ``--rdzv-id``, and a fresh store per
+rendezvous round (or a restart on several nodes can hang)::
 
-    torchrun --nnodes=2 --node-rank=0 --nproc-per-node=2 \\
-        --rdzv-backend=c10d --rdzv-endpoint=HOST0:29400 script.py   # on host 0
-    torchrun --nnodes=2 --node-rank=1 --nproc-per-node=2 \\
-        --rdzv-backend=c10d --rdzv-endpoint=HOST0:29400 script.py   # on host 1
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 GLOO_SOCKET_IFNAME=eth1 NCCL_SOCKET_IFNAME=eth1
+    torchrun --nnodes=2 --node-rank=0 --nproc-per-node=2 --rdzv-backend=c10d \\
+        --rdzv-endpoint=10.0.0.1:29400 --rdzv-id=job42 --local-addr=10.0.0.1 \\
+        script.py                                                     # on host 0
+    torchrun --nnodes=2 --node-rank=1 --nproc-per-node=2 --rdzv-backend=c10d \\
+        --rdzv-endpoint=10.0.0.1:29400 --rdzv-id=job42 --local-addr=10.0.0.2 \\
+        script.py                                                     # on host 1
 
 :func:`torchrun_nodes` starts those agents here, each with its own log
 folder, optionally each in a network namespace of its own
@@ -145,6 +152,34 @@ def _agent_cmd(
     return cmd
 
 
+# What a node needs in its environment on a real cluster too: shown in front of
+# the command each node runs (the launcher's own variables are not).
+_SHOWN_ENV = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def _shown_command(
+    node: Node,
+    nnodes: str,
+    endpoint: str,
+    run_id: str,
+    env: Mapping[str, str],
+    extra: Sequence[str],
+    script: str | os.PathLike,
+    args: Sequence[str],
+) -> str:
+    """The command a learner would type on that node: its environment variables, then
+    torchrun with every flag the agent gets (``--rdzv-id`` and ``--local-addr`` too)."""
+    assignments = [f"{k}={v}" for k, v in env.items()]
+    prefix = (["ip", "netns", "exec", node.netns, "env", *assignments] if node.netns
+              else assignments)  # fmt: skip
+    return shlex.join([
+        *prefix, "torchrun", f"--nnodes={nnodes}", f"--node-rank={node.node_rank}",
+        f"--nproc-per-node={node.nproc}", "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}", f"--local-addr={node.addr}",
+        *extra, *node.torchrun_args, launch._shown_path(script), *args,
+    ])  # fmt: skip
+
+
 def _explain(i: int, node: Node, output: str, endpoint: str) -> str:
     """What a failed agent's own output says went wrong, in words, with the fix."""
     if any(name in output for name in _RDZV_FAILED):
@@ -175,9 +210,11 @@ def torchrun_nodes(
 ) -> MultiNodeResult:
     """Run one job as several torchrun agents (nodes) on this machine and wait for it.
 
-    Prints the command each node runs (``[node 1] $ torchrun --nnodes=2 ...``)
-    and streams node 0's rank 0 output. The job runs on CPU with gloo unless
-    every rank of every node has a GPU of its own (the rule of
+    Prints the command each node runs, with the environment variables a node
+    needs on a real cluster too (``[node 1] $ TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    torchrun --nnodes=2 ... --rdzv-id=... --local-addr=...``) and streams
+    node 0's rank 0 output. The job runs on CPU with gloo unless every rank of
+    every node has a GPU of its own (the rule of
     :func:`ddp_course.runtime.device_plan`).
 
     Args:
@@ -236,6 +273,7 @@ def torchrun_nodes(
         port = launch.free_port("127.0.0.1" if nodes[0].netns else nodes[0].addr)
         endpoint = f"{nodes[0].addr}:{port}"
     env = dict(env or {})
+    given_env = list(env)  # shown in the printed commands, with _SHOWN_ENV
     if DEVICE_ENV not in env and DEVICE_ENV not in os.environ:
         env[DEVICE_ENV] = device_plan(max(n.nproc for n in nodes), launch._gpu_count()).device_type
     env.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", _LINE_PREFIX_TEMPLATE)
@@ -272,14 +310,9 @@ def torchrun_nodes(
                 node_env.setdefault("GLOO_SOCKET_IFNAME", node.ifname)
                 node_env.setdefault("NCCL_SOCKET_IFNAME", node.ifname)
             envs.append(node_env)
-            shown = shlex.join([
-                *(["ip", "netns", "exec", node.netns] if node.netns else []),
-                "torchrun", f"--nnodes={nnodes}", f"--node-rank={node.node_rank}",
-                f"--nproc-per-node={node.nproc}", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint={endpoint}", *conf_args, *extra_torchrun_args,
-                *node.torchrun_args,
-                launch._shown_path(script), *args,
-            ])  # fmt: skip
+            shown_env = {k: node_env[k] for k in [*given_env, *_SHOWN_ENV] if k in node_env}
+            shown = _shown_command(node, nnodes, endpoint, run_id, shown_env,
+                                   [*conf_args, *extra_torchrun_args], script, args)  # fmt: skip
             print(f"[node {i}] $ {shown}", flush=True)
         return _run_nodes(nodes, cmds, envs, path, endpoint, timeout_s, echo, grace_s,
                           logs_root, results_path)  # fmt: skip

@@ -192,7 +192,7 @@ def train(ctx: DistContext, args: argparse.Namespace) -> None:
                 time.sleep(args.step_sleep)
             if args.snapshot_every and (global_step + 1) % args.snapshot_every == 0:
                 snapshot(epoch, s + 1)
-        total = torch.tensor([loss_sum, seen], dtype=torch.float64)
+        total = torch.tensor([loss_sum, seen], dtype=torch.float64, device=ctx.device)  # nccl: GPU
         if ctx.is_distributed:
             dist.all_reduce(total)
         acc = evaluate(unwrap(model), test_set, ctx)["accuracy"]

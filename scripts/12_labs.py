@@ -7,13 +7,14 @@ Run from the repository root:
     TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun --nproc_per_node=2 scripts/12_labs.py --lab mismatch
 
 Labs (several may run in one job, in the order given):
-  mismatch     rank 0 all-reduces the loss, the other ranks broadcast it: a hang
-               until --timeout-s, or an error naming both collectives with
+  mismatch     rank 0 all-reduces the loss, the other ranks broadcast it: on gloo a
+               hang until --timeout-s (on nccl undefined: a hang until the watchdog's
+               timeout, or wrong numbers), or an error naming both collectives with
                TORCH_DISTRIBUTED_DEBUG=DETAIL. Fix: the same collective everywhere.
   rank0_only   a barrier inside `if rank == 0` (after saving a checkpoint): rank 0
                waits for ranks that went on training. --monitored uses
-               dist.monitored_barrier, which names the ranks that did not arrive.
-               Fix: the barrier outside the `if`.
+               dist.monitored_barrier on a gloo group (it exists on gloo only), which
+               names the ranks that did not arrive. Fix: the barrier outside the `if`.
   unused       a model whose second head forward never uses: DDP's "Expected to have
                finished reduction" error on the second step, naming the parameters
                with TORCH_DISTRIBUTED_DEBUG=INFO. Fix: find_unused_parameters=True.
@@ -25,15 +26,21 @@ Labs (several may run in one job, in the order given):
                gradient all-reduce: the models never meet. DDP's broadcast at
                construction hides the bug (both variants run; nothing fails).
 
-A failing collective raises after --timeout-s seconds (the process group's
-timeout). With --flight-recorder DIR and TORCH_FR_BUFFER_SIZE set, every rank
-writes its flight-recorder buffer to DIR when a lab fails. Rank 0 writes
---results after every lab, so the labs before a failing one keep their findings.
+A collective that never matches ends after --timeout-s seconds (the process
+group's timeout; torch's defaults are 30 min on gloo, 10 min on nccl): on gloo
+it raises a RuntimeError in Python; on nccl the watchdog thread aborts the
+process. With --flight-recorder DIR every rank's flight recorder (on by default,
+TORCH_FR_BUFFER_SIZE entries) goes to DIR/rank_<rank>: written by the script when
+a lab raises, and by nccl's watchdog itself (TORCH_FR_DUMP_TEMP_FILE) when it
+aborts the process, where no `except` runs. Models and batches live on the
+rank's device. Rank 0 writes --results after every lab, so the labs before a
+failing one keep their findings.
 """
 
 import argparse
 import datetime
 import io
+import os
 
 import torch
 import torch.distributed as dist
@@ -62,8 +69,14 @@ def parse_args():
     return p.parse_args()
 
 
+def on_device(model, ctx, **ddp_kwargs):
+    """``model`` on this rank's device, wrapped in DDP (one GPU per rank on CUDA)."""
+    ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    return DDP(model.to(ctx.device), device_ids=ids, **ddp_kwargs)
+
+
 def lab_mismatch(ctx, args, log):
-    loss = torch.tensor([float(ctx.rank + 1)])
+    loss = torch.tensor([float(ctx.rank + 1)], device=ctx.device)
     if args.fixed or ctx.rank == 0:
         dist.all_reduce(loss)  # the sum of every rank's loss
     else:
@@ -73,16 +86,19 @@ def lab_mismatch(ctx, args, log):
 
 
 def lab_rank0_only(ctx, args, log):
-    grads = torch.ones(8)
+    grads = torch.ones(8, device=ctx.device)
+    # monitored_barrier exists on gloo only: a gloo group beside the default one (on
+    # nccl the only way to have it; on gloo a second group). Every rank creates it.
+    monitor_group = dist.new_group(backend="gloo") if args.monitored else None
     for epoch in range(2):
         dist.all_reduce(grads)  # one training step's gradient all-reduce
         if ctx.rank == 0:
             torch.save({"grads": grads}, io.BytesIO())  # the checkpoint
             if args.monitored and not args.fixed:
-                # Names the ranks that do not arrive (gloo); its timeout is shorter
-                # than the others' collective timeout, so it speaks first.
+                # Names the ranks that do not arrive; its timeout is shorter than
+                # the others' collective timeout, so it speaks first.
                 wait = datetime.timedelta(seconds=args.timeout_s / 2)
-                dist.monitored_barrier(timeout=wait)
+                dist.monitored_barrier(group=monitor_group, timeout=wait)
             elif not args.fixed:
                 dist.barrier()  # BUG: only rank 0 gets here
         if args.fixed:
@@ -106,11 +122,11 @@ class TwoHeads(nn.Module):
 
 def lab_unused(ctx, args, log):
     torch.manual_seed(0)
-    model = DDP(TwoHeads(), find_unused_parameters=args.fixed)
+    model = on_device(TwoHeads(), ctx, find_unused_parameters=args.fixed)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for _ in range(2):  # the error comes at the second forward
         opt.zero_grad()
-        model(torch.randn(4, 8)).sum().backward()
+        model(torch.randn(4, 8).to(ctx.device)).sum().backward()
         opt.step()
     log.info("unused: 2 steps done")
     return {"steps": 2}
@@ -118,10 +134,10 @@ def lab_unused(ctx, args, log):
 
 def lab_shapes(ctx, args, log):
     hidden = 16 if args.fixed else 16 + ctx.rank  # BUG: a width that depends on the rank
-    model = MLP(in_features=8, hidden=hidden, depth=1)
+    model = MLP(in_features=8, hidden=hidden, depth=1).to(ctx.device)
     differ = debug.models_differ(model)  # the course's check, before DDP
     log.info(f"shapes: models_differ names {differ}")
-    DDP(model)
+    on_device(model, ctx)
     return {"differ": differ}
 
 
@@ -153,7 +169,7 @@ def _train_by_hand(model, ctx, steps=5):
     for _ in range(steps):
         x, y = torch.randn(16, 8, generator=gen), torch.randint(0, 2, (16,), generator=gen)
         opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
+        F.cross_entropy(model(x.to(ctx.device)), y.to(ctx.device)).backward()
         average_gradients(model)  # every rank applies the same averaged gradient
         opt.step()
 
@@ -162,14 +178,14 @@ def lab_divergent(ctx, args, log):
     found = {}
     for variant, seed in (("seed + rank", ctx.rank), ("same seed", 0)):
         torch.manual_seed(seed)
-        model = MLP(in_features=8, hidden=16, depth=1, num_classes=2)
+        model = MLP(in_features=8, hidden=16, depth=1, num_classes=2).to(ctx.device)
         before = _gap(model, ctx)
         _train_by_hand(model, ctx)
         found[variant] = {"gap_before": before, "gap_after": _gap(model, ctx),
                           "differ": debug.models_differ(model)}  # fmt: skip
         log.info(f"divergent: {variant}: {found[variant]}")
     torch.manual_seed(ctx.rank)  # the bug again, now under DDP
-    ddp = DDP(MLP(in_features=8, hidden=16, depth=1, num_classes=2))
+    ddp = on_device(MLP(in_features=8, hidden=16, depth=1, num_classes=2), ctx)
     found["seed + rank, DDP"] = {"differ": debug.models_differ(ddp.module)}
     log.info(f"divergent: under DDP models_differ names {found['seed + rank, DDP']['differ']}")
     return found
@@ -177,13 +193,20 @@ def lab_divergent(ctx, args, log):
 
 def main():
     args = parse_args()
+    if args.flight_recorder:
+        # nccl's watchdog aborts the process on a timeout before any `except` runs;
+        # asked to, it writes the recorder itself, to <TORCH_FR_DUMP_TEMP_FILE><rank>.
+        folder = os.path.abspath(args.flight_recorder)
+        os.makedirs(folder, exist_ok=True)
+        os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", os.path.join(folder, "rank_"))
+        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
     with distributed(timeout_s=args.timeout_s, group_of_one=True) as ctx:
         log = get_logger(ctx)
         results = {"world_size": ctx.world_size, "fixed": args.fixed, "labs": {}}
         for name in args.lab:
             try:
                 results["labs"][name] = globals()[f"lab_{name}"](ctx, args, log)
-            except Exception:
+            except Exception:  # gloo: the timed-out collective raised here
                 if args.flight_recorder:
                     debug.dump_flight_recorder(args.flight_recorder, ctx.rank)
                 raise

@@ -10,9 +10,11 @@ and records, per step and without printing, the seconds of its own work
 (data and forward: "local_s"), of backward with DDP's all-reduce and the
 optimizer step ("sync_s"), the whole step, samples/s, the loss and its
 memory. Rank --slow-rank sleeps --sleep-s seconds in its data loading every
-step. One step runs under torch.profiler with record_function labels. Rank 0
-gathers everything, writes it to --results (JSON) and, with --tb-dir, to
-TensorBoard (tensorboard --logdir build/12_tb).
+step. One step runs under torch.profiler with record_function labels (on a
+machine without a GPU, a CUDA build of torch has the profiler log a few lines
+such as "gpuGetDeviceCount failed" to stderr: harmless). Rank 0 gathers
+everything, writes it to --results (JSON) and, with --tb-dir, to TensorBoard
+(tensorboard --logdir build/12_tb).
 """
 
 import argparse
@@ -56,8 +58,9 @@ def main():
         log = get_logger(ctx)
         slow = args.slow_rank % ctx.world_size
         torch.manual_seed(0)
-        net = MLP(in_features=64, hidden=128, depth=2)
-        model = DDP(net) if ctx.is_distributed else net
+        net = MLP(in_features=64, hidden=128, depth=2).to(ctx.device)
+        ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+        model = DDP(net, device_ids=ids) if ctx.is_distributed else net
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         gen = torch.Generator().manual_seed(ctx.rank)
         metrics = monitor.RankMetrics(ctx.rank, ctx.device)

@@ -1,5 +1,6 @@
 """debug: repeated epoch orders, model digests, py-spy dumps, flight-recorder dumps."""
 
+import os
 import pickle
 import subprocess
 import sys
@@ -114,3 +115,25 @@ def test_py_spy_dumps_every_rank_of_a_running_job(monkeypatch):
     monkeypatch.setattr(debug, "_next_to_python", lambda name: None)
     with pytest.raises(FileNotFoundError, match="pip install py-spy"):
         debug.py_spy_dumps(marker)
+
+
+@pytest.mark.skipif(
+    tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13),
+    reason="the default checked here is torch 2.13's",
+)
+def test_flight_recorder_is_on_by_default_and_keeps_2000_collectives(tmp_path):
+    # A process of its own: the recorder is process-wide and read at the first group.
+    code = (
+        "import sys, torch, torch.distributed as dist\n"
+        "from ddp_course import debug\n"
+        "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+        "for _ in range(2010):\n"
+        "    dist.all_reduce(torch.ones(1))\n"
+        "debug.dump_flight_recorder(sys.argv[1], 0)\n"
+        "dist.destroy_process_group()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_FR_")}
+    subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, check=True,
+                   timeout=120)  # fmt: skip
+    seqs = [e["seq"] for e in debug.read_flight_recorder(tmp_path)[0]]
+    assert len(seqs) == 2000 and seqs[-1] == 2010  # the newest 2000 of 2010

@@ -1,6 +1,8 @@
 """engine and checkpoint in one process."""
 
+import os
 import pathlib
+import stat
 
 import pytest
 import torch
@@ -140,6 +142,35 @@ def test_a_save_that_fails_midway_leaves_the_previous_checkpoint(tmp_path, monke
     for a, b in zip(old.state_dict().values(), fresh.state_dict().values()):
         torch.testing.assert_close(a, b)
     assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]  # no temporary file left
+
+
+@pytest.mark.skipif(os.name != "posix", reason="folders are synced on POSIX systems only")
+def test_save_syncs_the_data_before_the_rename_and_the_folder_after(tmp_path, monkeypatch):
+    # os.replace alone survives a crash of the process, not of the host: the new
+    # file's bytes and the rename may still be in the page cache. The order of
+    # the calls is what makes a host crash leave the old or the whole new file.
+    calls = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        info = os.fstat(fd)
+        calls.append(("fsync", info.st_ino, stat.S_ISDIR(info.st_mode)))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        calls.append(("replace", str(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    path = tmp_path / "c.pt"
+    checkpoint.save_checkpoint(CTX, path, MLP(), epoch=1)
+    # The renamed file keeps the temporary file's inode.
+    assert calls == [
+        ("fsync", path.stat().st_ino, False),
+        ("replace", str(path)),
+        ("fsync", tmp_path.stat().st_ino, True),
+    ]
 
 
 def test_rng_states_survive_a_weights_only_round_trip(tmp_path):

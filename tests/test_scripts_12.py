@@ -2,9 +2,12 @@
 torchrun (one job), and both scripts as one plain process. The broken labs fail under
 nbval in the notebook, which also checks that they leave no process behind."""
 
+import ast
+import re
 import time
 
 import psutil
+import pytest
 
 from ddp_course import launch
 
@@ -49,3 +52,30 @@ def test_monitor_as_one_plain_process(root, tmp_path):
     assert r["world_size"] == 1 and r["stragglers"] == [] and len(r["ranks"][0]) == 3
     assert set(r["profiles"][0]["sections_ms"]) == {"data", "forward", "backward"}
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+
+
+def test_monitored_barrier_runs_on_a_gloo_group(root):
+    # monitored_barrier exists on gloo only: on nccl the default group would refuse it,
+    # so every call names a group that the script creates with backend="gloo".
+    tree = ast.parse((root / "scripts" / "12_labs.py").read_text())
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
+
+    def named(call, name):
+        return getattr(call.func, "attr", getattr(call.func, "id", None)) == name
+
+    barriers = [c for c in calls if named(c, "monitored_barrier")]
+    groups = [c for c in calls if named(c, "new_group")]
+    assert barriers and all(any(k.arg == "group" for k in c.keywords) for c in barriers)
+    assert groups and all(
+        any(k.arg == "backend" and ast.literal_eval(k.value) == "gloo" for k in c.keywords)
+        for c in groups
+    )
+
+
+def test_the_monitored_lab_names_the_missing_rank(root):
+    with pytest.raises(launch.LaunchError) as info:
+        launch.torchrun(root / "scripts/12_labs.py", ["--lab", "rank0_only", "--monitored",
+                        "--timeout-s", "4"], nproc=2, echo=False, timeout_s=120)  # fmt: skip
+    assert re.search(r"Rank 1 failed to pass monitoredBarrier in \d+ ms", str(info.value.logs))
+    time.sleep(0.5)
+    assert _alive("12_labs.py") == []
