@@ -23,21 +23,54 @@ its parts in ``torch/nn/parallel/`` (``scatter_gather.py``,
 recommends DDP instead:
 https://pytorch.org/docs/stable/notes/cuda.html#use-nn-parallel-distributeddataparallel-instead-of-multiprocessing-or-nn-dataparallel.
 
+Devices follow the course's rule (:func:`ddp_course.runtime.replica_devices`):
+one GPU per replica when every replica can have its own, otherwise every
+replica on the CPU as a thread; :func:`plan_replicas` adds the choice between
+torch's wrapper and this one. Clocks read by :func:`clock` wait for the GPUs
+first, because CUDA kernels run asynchronously.
+
 Data parallelism across processes, DDP written from scratch (a naive and a
 bucketed version with DDP's ``no_sync()``), is lesson 07's, in ``ddp_course.ddp``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["DataParallel", "gather", "parallel_apply", "replicate", "scatter"]
+from . import runtime
+
+__all__ = [
+    "DataParallel",
+    "ReplicaPlan",
+    "clock",
+    "gather",
+    "parallel_apply",
+    "plan_replicas",
+    "replicate",
+    "scatter",
+]
+
+
+def clock(devices: Iterable[torch.device | str] = ()) -> float:
+    """``time.perf_counter()`` in seconds, read after every CUDA device in ``devices``
+    has finished its queued work.
+
+    A CUDA kernel call returns as soon as the kernel is queued, so a clock read
+    right after it measures the launch, not the work. ``torch.cuda.synchronize``
+    waits for one device only (the current one by default), hence one call per
+    distinct GPU. CPU devices need no wait.
+    """
+    for device in dict.fromkeys(torch.device(d) for d in devices):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def _batch_sizes(obj: Any, dim: int) -> list[int]:
@@ -129,6 +162,7 @@ class _Broadcast(torch.autograd.Function):
     def forward(ctx, devices, timings, *tensors):
         ctx.num_tensors = len(tensors)
         ctx.sources = [t.device for t in tensors]
+        ctx.devices = [*ctx.sources, *devices]
         ctx.timings = timings
         # A real copy for every replica, the first included (torch skips the
         # copy on the source device); on a CPU this is the replication cost.
@@ -136,7 +170,7 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        start = time.perf_counter()
+        start = clock(ctx.devices) if ctx.timings is not None else 0.0
         n = ctx.num_tensors
         summed = []
         for i, source in enumerate(ctx.sources):
@@ -145,7 +179,7 @@ class _Broadcast(torch.autograd.Function):
                 total += g.to(source)
             summed.append(total)
         if ctx.timings is not None:
-            ctx.timings["reduce"] = time.perf_counter() - start
+            ctx.timings["reduce"] = clock(ctx.devices) - start
         return (None, None, *summed)
 
 
@@ -307,11 +341,77 @@ def _with_index(device: torch.device) -> torch.device:
     return device
 
 
-def _default_devices(num_replicas: int | None) -> list[torch.device]:
-    if torch.cuda.is_available():
-        count = torch.cuda.device_count()
-        return [torch.device("cuda", i % count) for i in range(num_replicas or count)]
-    return [torch.device("cpu")] * (num_replicas or 2)
+@dataclasses.dataclass(frozen=True)
+class ReplicaPlan:
+    """Which single-process data parallelism runs, and on which devices.
+
+    Attributes:
+        impl: ``"torch"`` (``torch.nn.DataParallel``) or ``"scratch"``
+            (:class:`DataParallel`).
+        devices: one device per replica; the model and the batches go to
+            ``devices[0]``.
+        reason: one line for a learner, e.g. ``"3 replicas, 2 GPUs: CPU
+            threads, so that no GPU is shared by two replicas"``.
+    """
+
+    impl: str
+    devices: list[torch.device]
+    reason: str
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def plan_replicas(impl: str, num_replicas: int | None, gpus: int | None = None) -> ReplicaPlan:
+    """Choose the implementation and the devices of a one-process DataParallel run.
+
+    The devices are :func:`ddp_course.runtime.replica_devices`: ``cuda:0`` ..
+    ``cuda:n-1`` when every replica gets a GPU of its own, else ``n`` times
+    ``cpu`` (threads). ``"auto"`` picks torch's wrapper on GPUs and the
+    from-scratch one on the CPU, where torch's only calls the model.
+
+    Args:
+        impl: ``"auto"``, ``"torch"`` or ``"scratch"``.
+        num_replicas: replicas wanted; ``None``: one per GPU, or 2 without GPUs.
+        gpus: GPUs to plan for; ``None`` reads :func:`ddp_course.runtime.gpu_count`
+            (pass 0 to run on the CPU on a GPU machine).
+
+    Returns:
+        A :class:`ReplicaPlan`; ``impl`` is never ``"auto"``.
+
+    Raises:
+        ValueError: ``impl`` is unknown, ``num_replicas`` < 1, or ``"torch"``
+            is asked for but the replicas do not each get a GPU (no GPU at
+            all, or fewer GPUs than replicas); the message names
+            ``--impl scratch``, the version that runs on CPU threads.
+    """
+    if impl not in ("auto", "torch", "scratch"):
+        raise ValueError(f"impl must be 'auto', 'torch' or 'scratch', not {impl!r}")
+    gpus = runtime.gpu_count() if gpus is None else gpus
+    devices = runtime.replica_devices(num_replicas, gpus)
+    n, on_gpus = len(devices), devices[0].type == "cuda"
+    replicas, gpu_text = _plural(n, "replica"), _plural(gpus, "GPU") if gpus else "no GPU"
+    if impl == "auto":
+        impl = "torch" if on_gpus else "scratch"
+    if impl == "torch" and not on_gpus:
+        if gpus == 0:
+            raise ValueError(
+                "torch's nn.DataParallel needs GPUs: without one it only calls the model. "
+                "Use --impl scratch (impl='scratch') for replicas on CPU threads."
+            )
+        raise ValueError(
+            f"torch's nn.DataParallel over {replicas} needs one GPU per replica and there "
+            f"{'is' if gpus == 1 else 'are'} {gpu_text}: ask for at most {gpus} replicas, "
+            "or use --impl scratch (impl='scratch') for replicas on CPU threads."
+        )
+    if on_gpus:
+        reason = f"{replicas}, {gpu_text}: one GPU per replica"
+    elif gpus == 0:
+        reason = f"{replicas}, {gpu_text}: CPU threads of one process"
+    else:
+        reason = f"{replicas}, {gpu_text}: CPU threads, so that no GPU is shared by two replicas"
+    return ReplicaPlan(impl, devices, reason)
 
 
 class DataParallel(nn.Module):
@@ -331,10 +431,14 @@ class DataParallel(nn.Module):
 
     Args:
         module: the model, on ``devices[0]``.
-        num_replicas: replicas (threads) when ``devices`` is not given;
-            default: every GPU, or 2 on a CPU.
+        num_replicas: replicas when ``devices`` is not given; default: one
+            per GPU, or 2 without GPUs.
         devices: one device per replica; may repeat a device
-            (``[cpu, cpu]`` is two threads on the CPU).
+            (``[cpu, cpu]`` is two threads on the CPU). Default:
+            ``runtime.replica_devices(num_replicas, runtime.gpu_count())``,
+            the course's rule: ``cuda:0`` .. ``cuda:n-1`` when there are at
+            least ``n`` GPUs, else ``n`` CPU threads (a GPU is never shared
+            by two replicas). Put ``module`` on the first of them.
         output_device: where outputs are gathered; default ``devices[0]``.
         dim: the batch dimension of inputs and outputs.
         threads: run replicas in threads (``False``: one after another).
@@ -342,7 +446,8 @@ class DataParallel(nn.Module):
     Attributes:
         timings: seconds spent in each step of the last forward pass
             (``scatter``, ``replicate``, ``parallel_apply``, ``gather``) and,
-            after its backward pass, ``reduce``.
+            after its backward pass, ``reduce``; read with :func:`clock`, so
+            on GPUs each is the time of the work, not of queueing it.
 
     Raises:
         ValueError: on ``num_replicas < 1``, ``num_replicas`` that
@@ -367,7 +472,8 @@ class DataParallel(nn.Module):
         if num_replicas is not None and num_replicas < 1:
             raise ValueError(f"num_replicas must be at least 1, not {num_replicas}")
         if devices is None:
-            devices = _default_devices(num_replicas)
+            # Read through the module so that tests can play 0, 1, 2 or 4 GPUs.
+            devices = runtime.replica_devices(num_replicas, runtime.gpu_count())
         devices = [_with_index(torch.device(d)) for d in devices]
         if not devices:
             raise ValueError("devices is empty")
@@ -388,15 +494,17 @@ class DataParallel(nn.Module):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         timings: dict[str, float] = {}
-        t0 = time.perf_counter()
+        # Every clock waits for the GPUs (see clock): each part's time is its work.
+        devices = [*self.devices, self.output_device]
+        t0 = clock(devices)
         chunks = scatter(inputs, kwargs, self.devices, self.dim)
-        t1 = time.perf_counter()
+        t1 = clock(devices)
         replicas = replicate(self.module, self.devices, timings)
-        t2 = time.perf_counter()
+        t2 = clock(devices)
         outputs = parallel_apply(replicas, chunks, self.threads)
-        t3 = time.perf_counter()
+        t3 = clock(devices)
         out = gather(outputs, self.output_device, self.dim)
-        t4 = time.perf_counter()
+        t4 = clock(devices)
         timings.update(scatter=t1 - t0, replicate=t2 - t1, parallel_apply=t3 - t2, gather=t4 - t3)
         self.timings = timings
         return out

@@ -3,27 +3,33 @@
     python scripts/02_train_dp.py --epochs 1                  # CPU: 2 threads, from scratch
     python scripts/02_train_dp.py --epochs 5                  # GPUs: nn.DataParallel, all GPUs
     python scripts/02_train_dp.py --impl scratch --replicas 4 --results build/02.json
+    DDP_COURSE_DEVICE=cpu python scripts/02_train_dp.py       # CPU threads on a GPU machine
     torchrun --nproc_per_node=1 scripts/02_train_dp.py        # works; more processes are refused
 
 One process drives every replica, so there is nothing for torchrun to
-parallelise. With GPUs the model goes into torch.nn.DataParallel; on a CPU,
-where that wrapper just calls the model, into ddp_course.parallel.DataParallel,
-the same algorithm over worker threads.
+parallelise. Each replica gets a GPU of its own when there are enough GPUs
+(cuda:0 .. cuda:n-1), and the model goes into torch.nn.DataParallel;
+otherwise every replica runs as a CPU thread in ddp_course.parallel.DataParallel,
+the same algorithm (torch's wrapper only calls the model on a CPU). A GPU is
+never shared by two replicas. --impl torch with too few GPUs stops with a
+message naming --impl scratch. The memory reported is the CUDA allocator's
+peak per GPU (torch.cuda.max_memory_allocated), or the process's RSS on a CPU.
 """
 
+import dataclasses
 import os
 import statistics
-import time
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ddp_course import parallel
+from ddp_course import parallel, runtime
 from ddp_course.checkpoint import load_checkpoint, save_checkpoint
 from ddp_course.data import load_mnist
 from ddp_course.engine import TrainConfig, evaluate, train_one_epoch, write_results
 from ddp_course.models import SmallCNN
+from ddp_course.monitor import memory_bytes
 from ddp_course.runtime import distributed, get_logger, seed_everything
 
 
@@ -53,18 +59,33 @@ def parse_args():
     return cfg, replicas, impl
 
 
-def wrap(model: nn.Module, impl: str, replicas: int | None) -> nn.Module:
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if impl == "auto":
-        impl = "torch" if gpus else "scratch"
-    if impl == "torch":
-        if not gpus:
-            raise SystemExit(
-                "--impl torch needs GPUs: on a CPU nn.DataParallel only calls "
-                "the model. Use --impl scratch."
-            )
-        return nn.DataParallel(model, device_ids=list(range(replicas or gpus)))
-    return parallel.DataParallel(model, num_replicas=replicas)
+def replica_plan(impl: str, replicas: int | None, device: torch.device) -> parallel.ReplicaPlan:
+    """Implementation and devices: one GPU per replica, or CPU threads.
+
+    ``device`` is where the launcher's plan puts this process; ``cpu`` there
+    (``DDP_COURSE_DEVICE=cpu``) means no GPU is used. Exits with a message
+    when ``--impl torch`` cannot give every replica a GPU of its own.
+    """
+    gpus = runtime.gpu_count() if device.type == "cuda" else 0
+    try:
+        return parallel.plan_replicas(impl, replicas, gpus)
+    except ValueError as error:
+        raise SystemExit(f"--impl {impl}: {error}") from None
+
+
+def wrap(model: nn.Module, plan: parallel.ReplicaPlan) -> nn.Module:
+    if plan.impl == "torch":
+        return nn.DataParallel(model, device_ids=[d.index for d in plan.devices])
+    return parallel.DataParallel(model, devices=plan.devices)
+
+
+def memory_used(devices: list[torch.device]) -> dict:
+    """Bytes: the CUDA allocator's peak per GPU, or this process's RSS on a CPU (one
+    number: the replicas are threads of one process)."""
+    if devices[0].type == "cuda":
+        bytes_ = {str(d): memory_bytes(d) for d in devices}
+        return {"kind": "cuda max_memory_allocated", "bytes": bytes_}
+    return {"kind": "process RSS at the end", "bytes": {"process": memory_bytes(devices[0])}}
 
 
 def main() -> None:
@@ -76,6 +97,10 @@ def main() -> None:
                 "DataParallel runs in one process; for several processes "
                 "use scripts/05_train_ddp.py (DDP)."
             )
+        plan = replica_plan(impl, replicas, ctx.device)  # NEW: a device per replica
+        # Models and batches go to the replicas' first device (the CPU when the
+        # replicas are threads), which may differ from the process's default.
+        ctx = dataclasses.replace(ctx, device=plan.devices[0])
         seed_everything(cfg.seed)
         train_set = load_mnist(cfg.data_dir, train=True, source=cfg.data_source)
         test_set = load_mnist(cfg.data_dir, train=False, source=cfg.data_source)
@@ -91,14 +116,12 @@ def main() -> None:
             # Load into the plain model, before wrapping: no "module." prefix.
             start_epoch = load_checkpoint(cfg.checkpoint, base, optimizer, ctx.device)["epoch"]
             log.info(f"resumed from {cfg.checkpoint} at epoch {start_epoch}")
-        model = wrap(base, impl, replicas)  # NEW: the one-line change
-        if isinstance(model, parallel.DataParallel):
-            devices = [str(d) for d in model.devices]
-        else:
-            devices = [f"cuda:{i}" for i in model.device_ids]
+        model = wrap(base, plan)  # NEW: the one-line change
+        devices = [str(d) for d in plan.devices]
         log.info(
-            f"{type(model).__module__}.{type(model).__name__} over {devices}; "
-            f"{train_set.source} MNIST, batch {cfg.batch_size} split across replicas"
+            f"{type(model).__module__}.{type(model).__name__} over {devices} "
+            f"({plan.reason}); {train_set.source} MNIST, batch {cfg.batch_size} "
+            "split across replicas"
         )
 
         steps: list[dict[str, float]] = []
@@ -107,14 +130,14 @@ def main() -> None:
         def record(module, _inputs):
             if not module.training:
                 return
-            starts.append(time.perf_counter())
+            starts.append(parallel.clock(plan.devices))
             # A training forward pass starts after the previous step's backward
             # pass, so module.timings then holds a whole step, "reduce" included.
             if "reduce" in getattr(module, "timings", {}):
                 steps.append(dict(module.timings))
 
         model.register_forward_pre_hook(record)
-        history, start = [], time.perf_counter()
+        history, start = [], parallel.clock(plan.devices)
         for epoch in range(start_epoch, cfg.epochs):
             stats = train_one_epoch(
                 model, loader, optimizer, ctx, epoch, cfg.max_steps, cfg.progress
@@ -143,12 +166,18 @@ def main() -> None:
             log.info(
                 "median per step: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in parts.items())
             )
+        memory = memory_used(plan.devices)
+        log.info(
+            f"memory ({memory['kind']}): "
+            + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in memory["bytes"].items())
+        )
         write_results(
             ctx,
             cfg.results,
             {
                 "impl": type(model).__module__ + "." + type(model).__name__,
                 "devices": devices,
+                "device_reason": plan.reason,
                 "data_source": train_set.source,
                 "batch_size": cfg.batch_size,
                 "history": history,
@@ -156,7 +185,8 @@ def main() -> None:
                 # From one training forward to the next: a whole step, loading included.
                 "step_wall_s": [b - a for a, b in zip(starts, starts[1:], strict=False)],
                 "test_accuracy": history[-1]["test_accuracy"] if history else None,
-                "wall_s": time.perf_counter() - start,
+                "memory": memory,
+                "wall_s": parallel.clock(plan.devices) - start,
             },
         )
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from ddp_course import parallel
-from ddp_course.launch import python
+from ddp_course import parallel, runtime
+from ddp_course.launch import LaunchError, python
 from ddp_course.models import MLP, SmallCNN
 
 CPU = torch.device("cpu")
@@ -204,6 +204,16 @@ def test_script_trains_with_threads(root, tmp_path):
     )  # fmt: skip
     res = result.results
     assert res["impl"].endswith("DataParallel") and len(res["devices"]) == 2
+    # The device rule: one GPU per replica, or CPU threads (never two replicas on a GPU).
+    plan = parallel.plan_replicas("auto", 2, runtime.gpu_count())
+    assert res["devices"] == [str(d) for d in plan.devices]
+    assert res["device_reason"] == plan.reason
+    on_gpu = plan.devices[0].type == "cuda"
+    assert res["memory"]["kind"] == (
+        "cuda max_memory_allocated" if on_gpu else "process RSS at the end"
+    )
+    assert list(res["memory"]["bytes"]) == (res["devices"] if on_gpu else ["process"])
+    assert all(b > 0 for b in res["memory"]["bytes"].values())
     assert 0.0 <= res["test_accuracy"] <= 1.0
     assert res["history"][0]["samples"] == 3 * 16
     assert len(res["step_wall_s"]) == 2  # the intervals between 3 training forward passes
@@ -215,3 +225,18 @@ def test_script_trains_with_threads(root, tmp_path):
     state = torch.load(tmp_path / "dp.pt", weights_only=True)
     assert not any(k.startswith("module.") for k in state["model"])
     SmallCNN().load_state_dict(state["model"])
+
+
+def test_script_refuses_torch_dataparallel_without_a_gpu_per_replica(root):
+    # One replica more than there are GPUs: a clear message, not a CUDA error inside torch.
+    replicas = runtime.gpu_count() + 1
+    with pytest.raises(LaunchError) as info:
+        python(
+            root / "scripts" / "02_train_dp.py",
+            ["--impl", "torch", "--replicas", str(replicas), "--max-steps", "1", "--no-progress"],
+            echo=False,
+            timeout_s=120,
+        )
+    output = "".join(info.value.logs.values())
+    assert "--impl torch: torch's nn.DataParallel" in output and "--impl scratch" in output
+    assert "Traceback" not in output
