@@ -17,7 +17,9 @@ one kind of state more at each stage:
 
 :func:`state_bytes_per_rank` gives the paper's memory per rank;
 :func:`shard_range` the piece of a flat tensor a rank owns; :class:`Zero`
-wraps a model and an optimizer class and trains at any stage.
+wraps a model and an optimizer class and trains at any stage;
+:func:`held_bytes` counts the state a rank holds and :class:`CollectiveBytes`
+the bytes torch's collectives received, to check the formulas and counters.
 
 Every parameter is sharded on its own (as FSDP2 does): flattened, padded to a
 multiple of N for the collectives, rank r owning elements
@@ -40,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ddp_course.ddp import _broadcast_state, _check_same_shapes, _require_group
 
@@ -50,8 +53,10 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 __all__ = [
     "FP32_ADAM",
+    "FP32_SGD",
     "MIXED_ADAM",
     "BytesPerValue",
+    "CollectiveBytes",
     "CommLog",
     "StateBytes",
     "Zero",
@@ -82,6 +87,8 @@ class BytesPerValue:
 MIXED_ADAM = BytesPerValue(params=2, grads=2, optimizer=12)
 #: Plain fp32 Adam: fp32 parameters and gradients, momentum + variance: 4 + 4 + 8.
 FP32_ADAM = BytesPerValue(params=4, grads=4, optimizer=8)
+#: Plain fp32 SGD without momentum: fp32 parameters and gradients, no optimizer state.
+FP32_SGD = BytesPerValue(params=4, grads=4, optimizer=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,6 +195,85 @@ class CommLog:
     def clear(self) -> None:
         """Forget the calls logged so far (e.g. at the start of a step)."""
         self.calls.clear()
+
+
+def _tensors(arg: Any) -> list[torch.Tensor]:
+    # A c10d op's tensor argument: a tensor, a list of them, or a list of lists.
+    if isinstance(arg, torch.Tensor):
+        return [arg]
+    if isinstance(arg, (list, tuple)):
+        return [t for a in arg for t in _tensors(a)]
+    return []
+
+
+class CollectiveBytes(TorchDispatchMode):
+    """Every ``torch.distributed`` collective run while active, with its tensor's bytes.
+
+    A counter that does not trust the code it checks: it sits in PyTorch's
+    dispatcher (as ``torch.distributed.tensor.debug.CommDebugMode`` does), so
+    it sees the ``c10d`` operations DDP's reducer, ``ZeroRedundancyOptimizer``,
+    FSDP2 and :class:`Zero` really call, from Python or C++, and reads the
+    bytes off the tensors handed to them: padding included, no bookkeeping.
+    Functional collectives (``_c10d_functional``, used by DTensor) are not seen.
+
+    Bytes of one call are the full (unsharded) tensor's, as :class:`CommLog`
+    counts them: the tensor of an all-reduce or a broadcast, the output of an
+    all-gather, the input of a reduce-scatter. Other collectives are recorded
+    under their c10d name with the bytes of their first tensor argument.
+
+    Use::
+
+        with CollectiveBytes() as sent:
+            loss.backward()
+            optimizer.step()
+        sent.calls        # [("all_reduce", 4096), ("broadcast", 1024), ...]
+        sent.volume_bytes
+
+    Attributes:
+        calls: ``(op, bytes)`` in call order; op is ``"all_reduce"``,
+            ``"broadcast"``, ``"all_gather"``, ``"reduce_scatter"`` or the
+            c10d name of another collective.
+    """
+
+    # c10d op -> (name, index of the argument whose bytes count)
+    OPS = {
+        "allreduce_": ("all_reduce", 0),
+        "allreduce_coalesced_": ("all_reduce", 0),
+        "broadcast_": ("broadcast", 0),
+        "_allgather_base_": ("all_gather", 0),
+        "allgather_": ("all_gather", 0),
+        "allgather_into_tensor_coalesced_": ("all_gather", 0),
+        "_reduce_scatter_base_": ("reduce_scatter", 1),
+        "reduce_scatter_": ("reduce_scatter", 1),
+        "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
+    }
+    # recorded under their own name (barriers, send and recv are not recorded)
+    OTHER = frozenset({"alltoall_", "alltoall_base_", "gather_", "scatter_", "reduce_"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func._overloadpacket.__name__ if func.namespace == "c10d" else None
+        if name in self.OPS or name in self.OTHER:
+            op, index = self.OPS.get(name, (name, 0))
+            tensors = _tensors(args[index]) if len(args) > index else []
+            self.calls.append((op, sum(t.numel() * t.element_size() for t in tensors)))
+        return func(*args, **(kwargs or {}))
+
+    def bytes_of(self, op: str) -> int:
+        """Bytes of every call of ``op`` (e.g. ``"broadcast"``) added up."""
+        return sum(b for o, b in self.calls if o == op)
+
+    @property
+    def volume_bytes(self) -> int:
+        """Bytes in the ZeRO paper's units (section 7): an all-reduce of b bytes counts 2b.
+
+        A ring all-reduce is a reduce-scatter plus an all-gather (lesson 04);
+        a broadcast, an all-gather and a reduce-scatter of b bytes count b.
+        """
+        return sum(2 * b if op == "all_reduce" else b for op, b in self.calls)
 
 
 class _Sharded:

@@ -12,9 +12,10 @@ whole model, over a device mesh of every rank) with reshard_after_forward
 True and False. Losses and final parameters must equal DDP's (assert_close);
 FSDP2 whose ranks start from different weights (no broadcast) does not.
 Each rank reports the bytes of parameters, gradients and optimizer state it
-holds after a step (local shards only), the all-gathers one step makes and
-the full-parameter bytes alive between forward and backward; on GPU also
-torch.cuda.max_memory_allocated.
+holds after a step (local shards only), the all-gathers one step makes, the
+bytes of every collective of that step as torch's dispatcher saw them
+(ddp_course.sharding.CollectiveBytes) and the full-parameter bytes alive
+between forward and backward; on GPU also torch.cuda.max_memory_allocated.
 
 --checkpoint DIR: after training, the FSDP2 model and its Adam state are
 gathered to rank 0 as a plain state dict (DIR/full.pt) and saved sharded with
@@ -49,8 +50,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddp_course.data import synthetic_classification
 from ddp_course.engine import write_results
 from ddp_course.models import MLP
-from ddp_course.runtime import distributed, get_logger, pick_backend, pick_device
-from ddp_course.sharding import FP32_ADAM, held_bytes, state_bytes_per_rank
+from ddp_course.runtime import distributed, get_logger, no_tf32, pick_backend, pick_device
+from ddp_course.sharding import FP32_ADAM, CollectiveBytes, held_bytes, state_bytes_per_rank
 
 # CommDebugMode's module tracker uses full backward hooks, which warn on the first layer.
 warnings.filterwarnings("ignore", message="Full backward hook is firing")
@@ -61,7 +62,8 @@ warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a vi
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=3, help="Adam steps per variant")
+    p.add_argument("--steps", type=int, default=3,
+                   help="Adam steps per variant; the last one's traffic is reported")  # fmt: skip
     p.add_argument("--batch-size", type=int, default=16, help="samples per rank per step")
     p.add_argument("--hidden", type=int, default=128, help="width of the MLP's hidden layers")
     p.add_argument("--lr", type=float, default=1e-3, help="Adam's learning rate")
@@ -71,9 +73,9 @@ def parse_args():
     return p.parse_args()
 
 
-def make_model(args, seed, device):
+def make_model(args, seed, ctx):
     torch.manual_seed(seed)
-    return MLP(hidden=args.hidden).to(device)
+    return MLP(hidden=args.hidden).to(ctx.device)
 
 
 def shard_model(model, mesh, reshard_after_forward):
@@ -109,11 +111,11 @@ def train(args, kind, batches, ctx, mesh, fsdp_seed=0):
     """One variant for args.steps steps; returns the model, optimizer and measurements."""
     if kind in ("DDP", "ZeroRedundancyOptimizer"):
         # Ranks start elsewhere on purpose: DDP broadcasts rank 0's weights.
-        model = DDP(make_model(args, ctx.rank, ctx.device))
+        model = DDP(make_model(args, ctx.rank, ctx))
     else:
         # NEW: fully_shard broadcasts nothing, each rank keeps its slice of its own
         # weights: every rank must build the same model (same seed) or load a checkpoint.
-        model = shard_model(make_model(args, fsdp_seed, ctx.device), mesh,
+        model = shard_model(make_model(args, fsdp_seed, ctx), mesh,
                             reshard_after_forward=kind.endswith("True"))  # fmt: skip
     if kind == "ZeroRedundancyOptimizer":
         opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=args.lr)
@@ -124,7 +126,9 @@ def train(args, kind, batches, ctx, mesh, fsdp_seed=0):
     b, losses = args.batch_size, []
     for x, y in batches:
         opt.zero_grad()
-        with CommDebugMode() as comm:
+        # Forward too: FSDP2 all-gathers there, and DDP's second forward broadcasts its
+        # rebuilt bucket order (once: from the third step on, a step is a steady one).
+        with CommDebugMode() as comm, CollectiveBytes() as sent:
             loss = F.cross_entropy(model(x[ctx.rank * b : (ctx.rank + 1) * b]),
                                    y[ctx.rank * b : (ctx.rank + 1) * b])  # fmt: skip
             between = unsharded_bytes(model)  # full parameters kept for backward
@@ -140,6 +144,9 @@ def train(args, kind, batches, ctx, mesh, fsdp_seed=0):
         "losses": losses,
         "held": held_bytes(inner, optimizer).__dict__,
         "all_gathers_per_step": all_gathers(comm.get_comm_counts()),
+        # the last step's collectives, bytes by op and in the ZeRO paper's units
+        "sent_by_op": {op: sent.bytes_of(op) for op, _ in sent.calls},
+        "sent_bytes": sent.volume_bytes,
         "unsharded_bytes_after_forward": between,
         "cuda_peak_bytes": (torch.cuda.max_memory_allocated(ctx.device)
                             if ctx.device.type == "cuda" else None),
@@ -167,7 +174,7 @@ def save_checkpoint(folder, model, opt, ctx):
 
 def resume_checkpoint(args, folder, ctx, mesh):
     """Load the sharded checkpoint at this world size; compare with the gathered copy."""
-    model = shard_model(make_model(args, 100 + ctx.rank, ctx.device), mesh, True)
+    model = shard_model(make_model(args, 100 + ctx.rank, ctx), mesh, True)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     before = full_parameters(model)
     model_sd, optim_sd = get_state_dict(model, opt)
@@ -199,6 +206,7 @@ def main():
     # One plain process on a GPU gets an nccl group of one, as torchrun's ranks would:
     # the collectives run on the device's tensors.
     with distributed(backend=pick_backend(pick_device()), group_of_one=True) as ctx:
+        no_tf32()  # every variant compared with DDP to float32 rounding, also on a GPU
         log = get_logger(ctx)
         mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
         results = {"world_size": ctx.world_size, "device": ctx.device.type}
@@ -228,7 +236,8 @@ def main():
                 variants[kind] = per_rank
                 log.info(f"{kind:34s} losses {[round(v, 4) for v in measured['losses']]}, "
                          f"|param - DDP| {measured['gap']:.1e}, rank 0 holds "
-                         f"{sum(measured['held'].values()) / 1e6:.3f} MB")  # fmt: skip
+                         f"{sum(measured['held'].values()) / 1e6:.3f} MB, "
+                         f"sent {measured['sent_bytes'] / 1e6:.3f} MB in a step")  # fmt: skip
             # What the same seed is for: FSDP2 with each rank's own start trains a mix.
             mixed, _, _ = train(args, kinds[2], batches, ctx, mesh, fsdp_seed=ctx.rank)
             mixed = full_parameters(mixed)

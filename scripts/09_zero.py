@@ -3,16 +3,21 @@
 Run from the repository root:
     python scripts/09_zero.py
     torchrun --nproc_per_node=2 scripts/09_zero.py --stage 0 1 2 3
+    torchrun --nproc_per_node=2 scripts/09_zero.py --optimizer sgd --lr 0.1
     torchrun --nproc_per_node=4 scripts/09_zero.py --sweep    # groups of 1, 2, 3 and 4 ranks
 
-Stage 0 is torch's DDP. Every rank trains the same MLP with Adam on its slice
-of the same batches (synthetic, MNIST-shaped), once with torch's DDP and once per stage with
+Stage 0 is torch's DDP. Every rank trains the same MLP with Adam (or SGD
+without momentum, --optimizer sgd) on its slice of the same batches (synthetic,
+MNIST-shaped), once with torch's DDP and once per stage with
 ddp_course.sharding.Zero, from the same start; the stage's full parameters
 must equal DDP's (assert_close). After the last step each rank counts the bytes of
 parameters, gradients and optimizer state it holds (held_bytes), next to the
-ZeRO paper's formula for fp32 Adam (state_bytes_per_rank), and rank 0 the
-bytes its collectives moved in that step. With --sweep the job repeats all of
-it on sub-groups of its first 1, 2, ..., N ranks. Rank 0 writes --results.
+ZeRO paper's formula (state_bytes_per_rank), and rank 0 the bytes its
+collectives moved in that step twice: as DDP's comm hook and Zero's log count
+them, and as torch's dispatcher saw them (CollectiveBytes). Stage 3 also
+reports the most bytes of full parameters gathered at once. With --sweep the
+job repeats all of it on sub-groups of its first 1, 2, ..., N ranks. Rank 0
+writes --results.
 """
 
 import argparse
@@ -26,27 +31,41 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddp_course.data import synthetic_classification
 from ddp_course.engine import write_results
 from ddp_course.models import MLP
-from ddp_course.runtime import distributed, get_logger, pick_backend, pick_device
-from ddp_course.sharding import FP32_ADAM, Zero, held_bytes, state_bytes_per_rank
+from ddp_course.runtime import distributed, get_logger, no_tf32, pick_backend, pick_device
+from ddp_course.sharding import (
+    FP32_ADAM,
+    FP32_SGD,
+    CollectiveBytes,
+    Zero,
+    held_bytes,
+    state_bytes_per_rank,
+)
+
+# SGD without momentum steps by lr x gradient, so a gradient off by a factor shows in
+# the parameters; Adam divides by the gradient's own size and hides it.
+OPTIMIZERS = {"adam": (torch.optim.Adam, FP32_ADAM), "sgd": (torch.optim.SGD, FP32_SGD)}
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--stage", type=int, nargs="+", default=[0, 1, 2, 3], choices=range(4),
                    help="stages to run; 0 is torch's DDP")  # fmt: skip
-    p.add_argument("--steps", type=int, default=3, help="Adam steps per stage")
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam",
+                   help="sgd: plain SGD (no momentum), where a gradient's scale shows")  # fmt: skip
+    p.add_argument("--steps", type=int, default=3,
+                   help="steps per stage; the last one's traffic is reported")  # fmt: skip
     p.add_argument("--batch-size", type=int, default=16, help="samples per rank per step")
     p.add_argument("--hidden", type=int, default=128, help="width of the MLP's hidden layers")
-    p.add_argument("--lr", type=float, default=1e-3, help="Adam's learning rate")
+    p.add_argument("--lr", type=float, default=1e-3, help="the optimizer's learning rate")
     p.add_argument("--sweep", action="store_true", help="also on groups of 1 .. N-1 ranks")
     p.add_argument("--results", help="write the measurements here as JSON (rank 0)")
     return p.parse_args()
 
 
-def make_model(args, rank, device):
+def make_model(args, rank, ctx):
     # Every rank starts elsewhere on purpose: DDP and Zero broadcast rank 0's weights.
     torch.manual_seed(rank)
-    return MLP(hidden=args.hidden).to(device)
+    return MLP(hidden=args.hidden).to(ctx.device)
 
 
 def global_batches(args, images, labels, world_size):
@@ -58,8 +77,9 @@ def my_slice(x, rank, b):
     return x[rank * b : (rank + 1) * b]
 
 
-def train_ddp(args, batches, rank, group, device):
-    """torch's DDP + Adam; returns the model, its optimizer and the bytes of the last step."""
+def train_ddp(args, batches, rank, group, ctx):
+    """torch's DDP; returns the model, its optimizer, the last step's bytes as the hook
+    counted them and what torch's dispatcher saw (CollectiveBytes)."""
     sent = []
 
     def counting_hook(state, bucket):
@@ -67,61 +87,77 @@ def train_ddp(args, batches, rank, group, device):
         sent[-1] += 2 * bucket.buffer().numel() * bucket.buffer().element_size()
         return allreduce_hook(state, bucket)
 
-    ddp = DDP(make_model(args, rank, device), process_group=group, gradient_as_bucket_view=True)
+    ddp = DDP(make_model(args, rank, ctx), process_group=group, gradient_as_bucket_view=True)
     ddp.register_comm_hook(group, counting_hook)
-    opt = torch.optim.Adam(ddp.parameters(), lr=args.lr)
+    opt = OPTIMIZERS[args.optimizer][0](ddp.parameters(), lr=args.lr)
     for x, y in batches:
         sent.append(0)
         opt.zero_grad(set_to_none=False)  # keep the gradients in DDP's buckets
         b = args.batch_size
-        F.cross_entropy(ddp(my_slice(x, rank, b)), my_slice(y, rank, b)).backward()
-        opt.step()
-    return ddp.module, opt, sent[-1]
+        # Forward too: DDP's second forward broadcasts its rebuilt bucket order (once).
+        with CollectiveBytes() as seen:
+            F.cross_entropy(ddp(my_slice(x, rank, b)), my_slice(y, rank, b)).backward()
+            opt.step()
+    return ddp.module, opt, sent[-1], seen
 
 
-def train_zero(args, stage, batches, rank, group, device):
-    """Zero at ``stage`` + Adam; returns it (gradients of the last step still held)."""
-    zero = Zero(make_model(args, rank, device), torch.optim.Adam, stage, group=group, lr=args.lr)
+def train_zero(args, stage, batches, rank, group, ctx):
+    """Zero at ``stage``; returns it (gradients of the last step still held) and what
+    torch's dispatcher saw in the last step."""
+    optimizer_class = OPTIMIZERS[args.optimizer][0]
+    zero = Zero(make_model(args, rank, ctx), optimizer_class, stage, group=group, lr=args.lr)
     for x, y in batches:
         zero.zero_grad()
         zero.comm.clear()  # the log then holds the last step only
         b = args.batch_size
-        F.cross_entropy(zero(my_slice(x, rank, b)), my_slice(y, rank, b)).backward()
-        zero.step()
-    return zero
+        with CollectiveBytes() as seen:
+            F.cross_entropy(zero(my_slice(x, rank, b)), my_slice(y, rank, b)).backward()
+            zero.step()
+    return zero, seen
 
 
-def run_group(args, stages, images, labels, ranks, device):
+def run_group(args, stages, images, labels, ranks, ctx):
     """Every stage on the sub-group of ``ranks`` (global ranks 0..n-1); rank 0 gets the rows."""
     group = dist.new_group(ranks)  # every rank of the job must call new_group
     if dist.get_rank() not in ranks:
         return []
     n, rank = len(ranks), dist.get_rank(group)
-    batches = [(x.to(device), y.to(device)) for x, y in global_batches(args, images, labels, n)]
-    ddp_model, ddp_opt, ddp_sent = train_ddp(args, batches, rank, group, device)
+    batches = [(x.to(ctx.device), y.to(ctx.device))
+               for x, y in global_batches(args, images, labels, n)]  # fmt: skip
+    ddp_model, ddp_opt, ddp_sent, ddp_seen = train_ddp(args, batches, rank, group, ctx)
     reference = {k: p.detach() for k, p in ddp_model.named_parameters()}
+    # How far training moved the parameters from rank 0's start (what DDP broadcast):
+    # a gap to DDP far below it means the stages step like DDP, not merely that little moved.
+    start = dict(make_model(args, 0, ctx).named_parameters())
+    moved = max((reference[k] - start[k]).abs().max().item() for k in reference)
     num_params = sum(p.numel() for p in reference.values())
     rows = []
     for stage in stages:
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+        if ctx.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(ctx.device)
+        peak_gathered, logged = None, []
         if stage == 0:  # DDP itself: the reference
-            held, sent, gap = held_bytes(ddp_model, ddp_opt), ddp_sent, 0.0
+            held, sent, gap, seen = held_bytes(ddp_model, ddp_opt), ddp_sent, 0.0, ddp_seen
         else:
-            zero = train_zero(args, stage, batches, rank, group, device)
-            held, sent = held_bytes(zero), zero.comm.volume_bytes
+            zero, seen = train_zero(args, stage, batches, rank, group, ctx)
+            held, sent, logged = held_bytes(zero), zero.comm.volume_bytes, list(zero.comm.calls)
+            if stage == 3:
+                peak_gathered = zero.peak_gathered_bytes
             full = zero.full_parameters()
             torch.testing.assert_close(full, reference)  # the claim: ZeRO trains like DDP
             gap = max((full[k] - reference[k]).abs().max().item() for k in reference)
-        cuda_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        cuda_peak = (torch.cuda.max_memory_allocated(ctx.device)
+                     if ctx.device.type == "cuda" else None)  # fmt: skip
         per_rank = [None] * n
         dist.all_gather_object(per_rank, {"held": held.__dict__, "cuda_peak_bytes": cuda_peak},
                                group=group)  # fmt: skip
-        formula = state_bytes_per_rank(stage, num_params, n, FP32_ADAM)
+        formula = state_bytes_per_rank(stage, num_params, n, OPTIMIZERS[args.optimizer][1])
         rows.append({"stage": stage, "world_size": n, "num_params": num_params,
-                     "param_tensors": len(reference), "gap": gap, "per_rank": per_rank,
+                     "param_tensors": len(reference), "gap": gap, "moved": moved,
+                     "per_rank": per_rank,
                      "formula": formula.__dict__, "sent_bytes": sent,
-                     "ddp_sent_bytes": ddp_sent})  # fmt: skip
+                     "ddp_sent_bytes": ddp_sent, "logged_calls": logged,
+                     "torch_calls": seen.calls, "peak_gathered_bytes": peak_gathered})  # fmt: skip
     return rows
 
 
@@ -130,13 +166,14 @@ def main():
     # One plain process on a GPU gets an nccl group of one, as torchrun's ranks would:
     # the collectives run on the device's tensors.
     with distributed(backend=pick_backend(pick_device()), group_of_one=True) as ctx:
+        no_tf32()  # DDP and Zero compared to float32 rounding, also on a GPU
         log = get_logger(ctx)
         count = args.steps * ctx.world_size * args.batch_size
         images, labels = synthetic_classification(count).tensors
         sizes = range(1, ctx.world_size + 1) if args.sweep else [ctx.world_size]
         rows = []
         for n in sizes:
-            rows += run_group(args, args.stage, images, labels, list(range(n)), ctx.device)
+            rows += run_group(args, args.stage, images, labels, list(range(n)), ctx)
         for r in rows:
             held = r["per_rank"][0]["held"]
             log.info(f"N={r['world_size']} stage {r['stage']}: |param - DDP| {r['gap']:.1e}; "
@@ -145,6 +182,7 @@ def main():
                      f"sent {r['sent_bytes'] / 1e6:.3f} MB in a step")  # fmt: skip
         write_results(ctx, args.results, {"world_size": ctx.world_size,
                                           "device": ctx.device.type, "steps": args.steps,
+                                          "optimizer": args.optimizer, "lr": args.lr,
                                           "rows": rows})  # fmt: skip
 
 

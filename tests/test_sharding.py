@@ -1,4 +1,5 @@
-"""ZeRO from scratch: memory per rank against the paper, shards, stages 1-3 against DDP."""
+"""ZeRO from scratch: memory per rank against the paper, shards, byte counters, stages 1-3
+against DDP (also under gradient accumulation, with SGD)."""
 
 import pathlib
 
@@ -9,7 +10,9 @@ from ddp_course import launch
 from ddp_course.runtime import distributed
 from ddp_course.sharding import (
     FP32_ADAM,
+    FP32_SGD,
     MIXED_ADAM,
+    CollectiveBytes,
     Zero,
     held_bytes,
     shard_range,
@@ -44,6 +47,16 @@ def test_sixteen_bytes_per_parameter_and_fp32_adam():
     assert state_bytes_per_rank(0, 1, 8).total == 16  # 2 + 2 + 12
     fp32 = state_bytes_per_rank(2, 1000, 4, FP32_ADAM)
     assert (fp32.params, fp32.grads, fp32.optimizer) == (4000, 1000, 2000)
+
+
+def test_sgd_without_momentum_keeps_no_optimizer_state():
+    model = torch.nn.Linear(6, 5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(2, 6)).sum().backward()
+    opt.step()
+    held = held_bytes(model, opt)
+    want = dict(params=4 * 35, grads=4 * 35, optimizer=0)  # 35 parameters, float32
+    assert held.__dict__ == state_bytes_per_rank(0, 35, 1, FP32_SGD).__dict__ == want
 
 
 @pytest.mark.parametrize("bad", [dict(stage=4), dict(num_params=-1), dict(world_size=0)])
@@ -119,6 +132,39 @@ def test_held_bytes_of_a_plain_model_is_ddps_16_bytes_per_parameter():
     held = held_bytes(model, opt)
     assert (held.params, held.grads, held.optimizer) == (4 * psi, 4 * psi, 8 * psi + 4 * 4)
     assert held.total == pytest.approx(state_bytes_per_rank(0, psi, 1, FP32_ADAM).total, rel=0.1)
+
+
+def test_collective_bytes_reads_the_tensors_torch_sees():
+    with distributed(group_of_one=True):
+        with CollectiveBytes() as sent:
+            torch.distributed.all_reduce(torch.ones(10))
+            torch.distributed.broadcast(torch.ones(3, dtype=torch.float64), src=0)
+            torch.distributed.barrier()  # no tensor of the caller's: not recorded
+            out = torch.empty(4)
+            torch.distributed.all_gather_into_tensor(out, torch.ones(4))
+            torch.distributed.reduce_scatter_tensor(out, torch.ones(4))
+    assert sent.calls == [("all_reduce", 40), ("broadcast", 24), ("all_gather", 16),
+                          ("reduce_scatter", 16)]  # fmt: skip
+    assert sent.bytes_of("all_gather") == 16
+    assert sent.volume_bytes == 2 * 40 + 24 + 16 + 16  # an all-reduce counts twice
+
+
+def test_zero_redundancy_optimizer_sends_one_and_a_half_times_ddps_bytes():
+    # DDP's all-reduce (2 Psi in the paper's units), then every parameter broadcast by its
+    # owner (Psi). The third step: DDP's second forward also broadcasts its bucket order.
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    with distributed(group_of_one=True):
+        model = DDP(torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3)))
+        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=0.01)
+        for _ in range(3):
+            with CollectiveBytes() as sent:
+                model(torch.randn(4, 6)).sum().backward()
+                opt.step()
+    psi = 6 * 5 + 5 + 5 * 3 + 3
+    assert sent.bytes_of("all_reduce") == sent.bytes_of("broadcast") == 4 * psi
+    assert sent.volume_bytes == 3 * 4 * psi
 
 
 # ---- stages 1-3 on 2 and 3 gloo ranks (one job per world size checks everything) ----
@@ -221,3 +267,33 @@ def test_models_that_differ_across_ranks_are_refused(jobs, nproc):
     message = jobs(nproc)["mismatch_error"]
     assert message is not None and "differs from rank 0" in message
     assert "Build the same model on every rank" in message
+
+
+# ---- gradient accumulation: two backward passes per step, SGD, against DDP and one process ----
+
+
+@pytest.fixture(scope="module")
+def accumulation():
+    worker = pathlib.Path(__file__).parent / "workers" / "zero_accumulation.py"
+    job = launch.torchrun(worker, ["--micro", "2"], nproc=2, results=True, echo=False,
+                          timeout_s=240)  # fmt: skip
+    return job.results
+
+
+def check_accumulation(r, variant):
+    assert r["micro"] == 2
+    assert r["ddp_moved"] > 1e-3, "SGD hardly moved: a lost micro-batch would not show"
+    assert r["ddp_vs_single"] < GAP, "DDP with accumulation differs from one process"
+    assert r[variant] < GAP, f"{variant} differs from DDP by {r[variant]:.2e} under accumulation"
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_accumulates_gradients_over_backward_passes_like_ddp(accumulation, stage):
+    check_accumulation(accumulation, f"stage{stage}")
+
+
+@pytest.mark.parametrize("variant", ["stage2-overwrite", "stage3-overwrite"])
+def test_a_shard_gradient_that_overwrites_is_caught(accumulation, variant):
+    # Only the last micro-batch's gradient is stepped: every test above still passes.
+    with pytest.raises(AssertionError, match="under accumulation"):
+        check_accumulation(accumulation, variant)
