@@ -57,6 +57,7 @@ __all__ = [
     "read_records",
     "ring_all_reduce_time",
     "run_metadata",
+    "runnable_tasks",
     "scaling_efficiency",
     "slowest_rank",
     "summarize",
@@ -460,6 +461,41 @@ def fit_each(
         xs.append(float(row[size]))
         ts.append(float(row[seconds]))
     return {name: fit_alpha_beta(xs, ts) for name, (xs, ts) in points.items()}
+
+
+def runnable_tasks(seconds: float = 1.0, samples: int = 20) -> float | None:
+    """How many other tasks were ready to run, on average over the next ``seconds``.
+
+    How busy the machine is right now, before a measurement: on Linux the
+    fourth field of ``/proc/loadavg`` ("running/total") counts the tasks
+    (threads) running or ready to run at that instant, the reading process
+    included; this is the mean of ``samples`` readings, less that one.
+    Elsewhere the one-minute load average, which lags by about a minute.
+
+    Args:
+        seconds: how long to sample, >= 0.
+        samples: readings, >= 1.
+
+    Returns:
+        Tasks (a mean, >= 0), or None where the system reports neither.
+
+    Raises:
+        ValueError: ``seconds < 0`` or ``samples < 1``.
+    """
+    if seconds < 0 or samples < 1:
+        raise ValueError(f"need seconds >= 0 and samples >= 1, not {seconds} and {samples}")
+    proc = pathlib.Path("/proc/loadavg")
+    if not proc.exists():
+        try:
+            return os.getloadavg()[0]
+        except (AttributeError, OSError):
+            return None
+    counts = []
+    for i in range(samples):
+        if i:
+            time.sleep(seconds / samples)
+        counts.append(int(proc.read_text().split()[3].split("/")[0]) - 1)
+    return max(0.0, sum(counts) / len(counts))
 
 
 def run_metadata(command: Sequence[str] | None = None) -> dict[str, object]:

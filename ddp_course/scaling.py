@@ -13,6 +13,8 @@
   et al., "PyTorch Distributed", VLDB 2020, section 3.2.3); only the part
   of their all-reduce that outlasts backward is exposed, and only where the
   communication has hardware of its own to run on (:func:`comm_can_overlap`).
+  Measured on one rank, the compute terms predict N ranks once they are
+  stretched by the ranks' share of the cores (:func:`compute_slowdown`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ __all__ = [
     "StepTimeModel",
     "amdahl_speedup",
     "comm_can_overlap",
+    "compute_slowdown",
     "efficiency_table",
     "exposed_comm",
     "fit_amdahl",
@@ -85,12 +88,13 @@ def _points_beyond_one(
     return n[keep], sp[keep]
 
 
-def _slope_through_origin(x: np.ndarray, y: np.ndarray) -> float:
-    # Least squares of y = s x, clipped to a fraction.
-    return float(np.clip(x @ y / (x @ x), 0.0, 1.0))
+def _slope_through_origin(x: np.ndarray, y: np.ndarray, clip: bool) -> float:
+    # Least squares of y = s x; a fraction only when clipped to [0, 1].
+    s = float(x @ y / (x @ x))
+    return float(np.clip(s, 0.0, 1.0)) if clip else s
 
 
-def fit_amdahl(world_sizes: Sequence[float], speedups: Sequence[float]) -> float:
+def fit_amdahl(world_sizes: Sequence[float], speedups: Sequence[float], clip: bool = True) -> float:
     """Serial fraction s that fits measured strong-scaling speed-ups best.
 
     Amdahl's law rearranged is linear in s: ``1/S - 1/N = s (1 - 1/N)``;
@@ -99,31 +103,38 @@ def fit_amdahl(world_sizes: Sequence[float], speedups: Sequence[float]) -> float
     Args:
         world_sizes: N of each point (N = 1 points carry no information).
         speedups: ``t(1) / t(N)`` of each point, > 0.
+        clip: clip s to [0, 1], the range the law allows. Unclipped, s > 1
+            says the runs slowed down (speed-ups below 1), which no serial
+            fraction explains, and s < 0 says they beat N (super-linear):
+            a fit at its bound describes the runs no better than the bound.
 
     Returns:
-        s, clipped to [0, 1] (a speed-up above N, from noise, gives 0).
+        s, clipped to [0, 1] unless ``clip`` is False.
 
     Raises:
         ValueError: lengths differ, no point with N > 1, or a speed-up <= 0.
     """
     n, sp = _points_beyond_one(world_sizes, speedups, "Amdahl's law")
-    return _slope_through_origin(1 - 1 / n, 1 / sp - 1 / n)
+    return _slope_through_origin(1 - 1 / n, 1 / sp - 1 / n, clip)
 
 
-def fit_gustafson(world_sizes: Sequence[float], scaled_speedups: Sequence[float]) -> float:
+def fit_gustafson(
+    world_sizes: Sequence[float], scaled_speedups: Sequence[float], clip: bool = True
+) -> float:
     """Serial fraction s that fits measured weak-scaling (scaled) speed-ups best.
 
     ``N - S = s (N - 1)``, least squares through the origin over N > 1. The
     scaled speed-up is ``N * efficiency`` = ``thr(N) / thr(1)``.
 
     Returns:
-        s, clipped to [0, 1].
+        s, clipped to [0, 1] unless ``clip`` is False (as :func:`fit_amdahl`:
+        s > 1 means the throughput fell as ranks were added).
 
     Raises:
         ValueError: as :func:`fit_amdahl`.
     """
     n, sp = _points_beyond_one(world_sizes, scaled_speedups, "Gustafson's law")
-    return _slope_through_origin(n - 1, n - sp)
+    return _slope_through_origin(n - 1, n - sp, clip)
 
 
 def efficiency_table(
@@ -228,16 +239,49 @@ def comm_can_overlap(device_type: str, world_size: int, threads_per_rank: int, c
     return world_size * threads_per_rank < cpus
 
 
+def compute_slowdown(device_type: str, world_size: int, threads_per_rank: int, cpus: int) -> float:
+    """How much longer a rank's compute takes in an N-rank job than alone on the machine.
+
+    On a GPU every rank has a device of its own: 1. On a CPU the ranks'
+    compute threads share the cores: once there are more threads than cores
+    (``world_size * threads_per_rank > cpus``), each runs that many times
+    slower, so the factor is ``max(1, world_size * threads_per_rank / cpus)``.
+    It ignores what the ranks share below that (memory bandwidth, caches):
+    a prediction from one rank's compute is off by what they cost.
+
+    Args:
+        device_type: ``"cuda"`` or ``"cpu"``.
+        world_size: ranks on this machine.
+        threads_per_rank: compute threads per rank.
+        cpus: CPU cores of the machine.
+
+    Returns:
+        The factor, >= 1.
+
+    Raises:
+        ValueError: a count below 1.
+    """
+    if min(world_size, threads_per_rank, cpus) < 1:
+        raise ValueError(
+            f"need world_size, threads_per_rank and cpus >= 1, got "
+            f"{world_size}, {threads_per_rank}, {cpus}"
+        )
+    if device_type == "cuda":
+        return 1.0
+    return max(1.0, world_size * threads_per_rank / cpus)
+
+
 @dataclasses.dataclass(frozen=True)
 class StepTimeModel:
     """``t_step = t_forward + t_backward + exposed communication + t_optimizer``, seconds.
 
-    The compute terms are measured on every rank at once, through the same
-    DDP wrapper in a process group of one rank: so they include the
-    wrapper's own work (its hooks, the copies of the gradients into flat
-    buckets and back, the final callback), everything but the
-    communication. The communication comes from the alpha-beta fit of
-    all_reduce at the world size and from the bucket sizes.
+    The compute terms are measured through the same DDP wrapper in a
+    process group of one rank, so they include the wrapper's own work (its
+    hooks, the copies of the gradients into flat buckets and back, the
+    final callback), everything but the communication. Measured on one rank
+    alone, they predict N ranks once :meth:`slowed` by the ranks' share of
+    the cores (:func:`compute_slowdown`). The communication comes from the
+    alpha-beta fit of all_reduce at the world size and from the bucket sizes.
 
     With ``overlap`` (see :func:`comm_can_overlap`), bucket i is taken to be
     ready when backward has produced the gradients of buckets 0..i, in
@@ -256,6 +300,24 @@ class StepTimeModel:
     backward_s: float
     optimizer_s: float
     overlap: bool = True
+
+    def slowed(self, factor: float) -> StepTimeModel:
+        """The same model with every compute term ``factor`` times longer.
+
+        Use it to carry compute measured on one rank to N ranks that share
+        the cores (:func:`compute_slowdown`).
+
+        Raises:
+            ValueError: ``factor <= 0``.
+        """
+        if factor <= 0:
+            raise ValueError(f"the slow-down factor must be > 0, not {factor}")
+        return dataclasses.replace(
+            self,
+            forward_s=self.forward_s * factor,
+            backward_s=self.backward_s * factor,
+            optimizer_s=self.optimizer_s * factor,
+        )
 
     def ready_times(self, bucket_bytes: Sequence[float]) -> list[float]:
         """When each bucket is full, seconds into backward (proportional to bytes)."""

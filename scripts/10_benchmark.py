@@ -6,9 +6,10 @@ Modes (one or several per run; each row of the results names its mode):
                threads per rank, Amdahl and Gustafson fits
   knobs        bucket_cap_mb sweep, no_sync accumulation, fp16/bf16 compression hooks,
                lesson 07's BucketedDDP against torch's DDP
-  model        t_step = t_forward + t_backward + exposed all-reduce + t_optimizer, compute
-               timed through BucketedDDP in a group of one rank, against BucketedDDP's
-               measured step time for several bucket caps (any world size)
+  model        t_step = t_forward + t_backward + exposed all-reduce + t_optimizer, predicted
+               for N ranks from rank 0's compute alone (through BucketedDDP in a group of
+               one rank, stretched where the ranks share cores) and an all-reduce fit at
+               N ranks, against BucketedDDP's measured step for several bucket caps
   trace        torch.profiler traces of DDP steps: how much all-reduce time overlaps backward
 
 Recorded runs, from the repository root (minutes each):
@@ -37,6 +38,7 @@ name, .csv) with the machine, versions, load average and this command.
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import pathlib
@@ -68,6 +70,7 @@ from ddp_course.runtime import barrier, distributed, get_logger
 from ddp_course.scaling import (
     StepTimeModel,
     comm_can_overlap,
+    compute_slowdown,
     efficiency_table,
     fit_amdahl,
     fit_gustafson,
@@ -368,24 +371,54 @@ def phased_step(model, x, y, ctx, phases):
     return step
 
 
+PHASES = ("forward", "backward", "optimizer")
+
+
 def phase_medians(ctx, phases, warmup):
     """Per phase: the slowest rank of each timed repeat, then the median (seconds)."""
-    return {k: summarize([slowest(ctx, t) for t in v[warmup:]]).median for k, v in phases.items()}
+    return {k: summarize([slowest(ctx, t) for t in phases[k][warmup:]]).median for k in PHASES}
+
+
+def rank0_medians(ctx, phases, warmup):
+    """Per phase: the median of rank 0's own timed repeats, sent to every rank (seconds).
+
+    ``phases`` is rank 0's timings; the other ranks, which timed nothing, pass None.
+    """
+    t = torch.zeros(len(PHASES), dtype=torch.float64, device=ctx.device)
+    if ctx.rank == 0:
+        t[:] = torch.tensor([summarize(phases[k][warmup:]).median for k in PHASES])
+    if ctx.is_distributed:
+        dist.broadcast(t, src=0)
+    return dict(zip(PHASES, t.tolist(), strict=True))
 
 
 def run_model(ctx, args, log):
-    dev = ctx.device
+    dev, n = ctx.device, ctx.world_size
     x, y = batch(args.batch, dev, seed=ctx.rank)
-    # NEW: compute is timed through the same wrapper in a group of one rank per rank: its
-    # hooks and its copies into and out of the buckets, all but the communication. Every
-    # rank computes at once, as in DDP. The plain model without wrapper is timed beside it.
-    solo = [dist.new_group([r]) for r in range(ctx.world_size)][ctx.rank]
-    phases = {"plain": {}}
-    settings = {"plain": phased_step(make_model(args, dev), x, y, ctx, phases["plain"])}
+    # NEW: a prediction of N ranks from one rank. Rank 0 alone times forward, backward and
+    # optimizer through the same wrapper in a group of one rank (its hooks and copies, all but
+    # the communication) while the other ranks wait: what a one-rank job measures, interleaved
+    # with the N-rank steps so that the machine's load falls on both alike. The communication
+    # comes from an all-reduce sweep at N ranks. The same compute with every rank at once is
+    # timed too, only to show afterwards what the ranks' sharing of the machine costs.
+    solo = [dist.new_group([r]) for r in range(n)][ctx.rank]
+    phases, settings = {}, {}
+
+    def compute(key, model):
+        phases[key] = {}
+        return phased_step(model, x, y, ctx, phases[key])
+
+    def solo_ddp(cap):
+        return BucketedDDP(make_model(args, dev), bucket_cap_mb=cap, process_group=solo)
+
+    first = ctx.rank == 0  # the other ranks build nothing for rank 0's runs alone
+    settings[("alone", "plain")] = (
+        compute(("alone", "plain"), make_model(args, dev)) if first else None
+    )
     for cap in args.caps:
-        phases[cap] = {}
-        solo_ddp = BucketedDDP(make_model(args, dev), bucket_cap_mb=cap, process_group=solo)
-        settings[("compute", cap)] = phased_step(solo_ddp, x, y, ctx, phases[cap])
+        settings[("alone", cap)] = compute(("alone", cap), solo_ddp(cap)) if first else None
+    for cap in args.caps:
+        settings[("together", cap)] = compute(("together", cap), solo_ddp(cap))
     grad_bytes = sum(p.numel() * p.element_size() for p in make_model(args, dev).parameters())
     sizes = message_sizes(16384, max(2 * grad_bytes, 32768), 4)
     for size in sizes:
@@ -396,52 +429,60 @@ def run_model(ctx, args, log):
         settings[("BucketedDDP", cap)] = train_step(wrapped[cap], x, y)
     # Does overlap buy anything here? The smallest cap of 1 MB or more with overlap off.
     probe = min((c for c in args.caps if c >= 1), default=max(args.caps))
-    if ctx.world_size > 1:
+    if n > 1:
         late = BucketedDDP(make_model(args, dev), bucket_cap_mb=probe, overlap=False)
         settings[("no overlap", probe)] = train_step(late, x, y)
     bar = tqdm(total=len(settings) * args.repeats, desc="model", disable=args.hide)
-    times = interleaved(settings, ctx, args, bar)
+    times = interleaved(settings, ctx, args, bar, active=lambda k: k[0] != "alone" or first)
     bar.close()
-    compute_s = {k: phase_medians(ctx, v, args.warmup) for k, v in phases.items()}
-    plain_s = sum(compute_s["plain"].values())
+    alone = {
+        k: rank0_medians(ctx, phases.get(("alone", k)), args.warmup) for k in ["plain", *args.caps]
+    }
+    together = {c: phase_medians(ctx, phases[("together", c)], args.warmup) for c in args.caps}
+    plain_s = sum(alone["plain"].values())
     ar_rows = [{"collective": "all_reduce", "bytes": s, **stats(times[("all_reduce", s)])}
                for s in sizes]  # fmt: skip
-    rows = [{"mode": "model", "setting": "all_reduce", "bytes": r["bytes"],
-             "world_size": ctx.world_size, "median_s": r["median_s"], "iqr_s": r["iqr_s"]}
-            for r in ar_rows]  # fmt: skip
+    rows = [{"mode": "model", "setting": "all_reduce", "bytes": r["bytes"], "world_size": n,
+             "median_s": r["median_s"], "iqr_s": r["iqr_s"]} for r in ar_rows]  # fmt: skip
     # One rank communicates nothing: the model is its compute alone.
-    fit = fit_each(ar_rows)["all_reduce"] if ctx.world_size > 1 else AlphaBeta(0.0, 0.0)
-    overlap = comm_can_overlap(dev.type, ctx.world_size, torch.get_num_threads(),
-                               os.cpu_count() or 1)  # fmt: skip
+    fit = fit_each(ar_rows)["all_reduce"] if n > 1 else AlphaBeta(0.0, 0.0)
+    threads, cpus = torch.get_num_threads(), os.cpu_count() or 1
+    overlap = comm_can_overlap(dev.type, n, threads, cpus)
+    slowdown = compute_slowdown(dev.type, n, threads, cpus)
     for cap in args.caps:
         buckets = wrapped[cap].bucket_bytes()
         measured = stats(times[("BucketedDDP", cap)])
-        c = compute_s[cap]
-        terms = (c["forward"], c["backward"], c["optimizer"])
-        model = StepTimeModel(*terms, overlap=overlap)
-        predicted = model.predict(buckets, fit, ctx.world_size)
-        exposed = model.exposed(buckets, fit, ctx.world_size)
+        c, t = alone[cap], together[cap]
+        one_rank = StepTimeModel(*(c[k] for k in PHASES), overlap=overlap)
+        model = one_rank.slowed(slowdown)
+        predicted = model.predict(buckets, fit, n)
+        wrapper_s = sum(c.values()) - plain_s  # at one rank, before the slow-down
         # Both assumptions about overlap, whichever the model takes here.
-        hidden = StepTimeModel(*terms, overlap=True).predict(buckets, fit, ctx.world_size)
-        serial = StepTimeModel(*terms, overlap=False).predict(buckets, fit, ctx.world_size)
+        hidden = dataclasses.replace(model, overlap=True).predict(buckets, fit, n)
+        serial = dataclasses.replace(model, overlap=False).predict(buckets, fit, n)
+        # The terms measured again at N ranks: not a prediction, where the error comes from.
+        remeasured = StepTimeModel(*(t[k] for k in PHASES), overlap=overlap).predict(
+            buckets, fit, n
+        )
         rows.append({"mode": "model", "setting": "BucketedDDP", "bucket_cap_mb": cap,
-                     "buckets": len(buckets), "bytes": sum(buckets),
-                     "world_size": ctx.world_size, **measured,
-                     "forward_s": c["forward"], "backward_s": c["backward"],
-                     "optimizer_s": c["optimizer"], "wrapper_s": sum(terms) - plain_s,
-                     "overlap": overlap, "exposed_comm_s": exposed,
+                     "buckets": len(buckets), "bytes": sum(buckets), "world_size": n,
+                     **measured, "forward_s": c["forward"], "backward_s": c["backward"],
+                     "optimizer_s": c["optimizer"], "wrapper_s": wrapper_s,
+                     "compute_slowdown": slowdown, "compute_together_s": sum(t.values()),
+                     "overlap": overlap, "exposed_comm_s": model.exposed(buckets, fit, n),
                      "predicted_s": predicted, "overlapped_s": hidden, "no_overlap_s": serial,
-                     "without_wrapper_s": predicted - sum(terms) + plain_s,
+                     "without_wrapper_s": predicted - slowdown * wrapper_s,
+                     "remeasured_s": remeasured,
                      "predicted_over_measured": predicted / measured["median_s"],
                      "overlapped_over_measured": hidden / measured["median_s"],
                      "no_overlap_over_measured": serial / measured["median_s"]})  # fmt: skip
-        log.info(f"cap {cap:g} MB: predicted {1e3 * predicted:.1f} ms, "
+        log.info(f"cap {cap:g} MB: predicted from one rank {1e3 * predicted:.1f} ms, "
                  f"measured {1e3 * measured['median_s']:.1f} ms")  # fmt: skip
     buckets = {f"{c:g}": w.bucket_bytes() for c, w in wrapped.items()}
-    summary = {"compute_s": compute_s["plain"], "gradient_bytes": grad_bytes, "overlap": overlap,
-               "threads_per_rank": torch.get_num_threads(), "cpus": os.cpu_count(),
+    summary = {"compute_s": alone["plain"], "gradient_bytes": grad_bytes, "overlap": overlap,
+               "compute_slowdown": slowdown, "threads_per_rank": threads, "cpus": cpus,
                "bucket_bytes": buckets}  # fmt: skip
-    if ctx.world_size > 1:
+    if n > 1:
         summary["all_reduce_fit"] = {"alpha_s": fit.alpha, "bandwidth_GBps": fit.bandwidth / 1e9}
         on, off = stats(times[("BucketedDDP", probe)]), stats(times[("no overlap", probe)])
         summary["overlap_probe"] = {"bucket_cap_mb": probe, "overlap": on, "no_overlap": off,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from ddp_course import launch
+from ddp_course import bench, launch, runtime
 from ddp_course.bench import (
     COLLECTIVES,
     AlphaBeta,
@@ -163,7 +163,8 @@ def test_script_04_tiny_sweep_under_torchrun(root):
     job = launch.torchrun(root / "scripts/04_allreduce.py", args, nproc=2, results=True,
                           echo=False, timeout_s=180)  # fmt: skip
     r = job.results
-    assert (r["world_size"], r["backend"], r["sizes"]) == (2, "gloo", [4096, 8192, 16384])
+    backend = runtime.device_plan(2, runtime.gpu_count()).backend  # nccl with 2 GPUs
+    assert (r["world_size"], r["backend"], r["sizes"]) == (2, backend, [4096, 8192, 16384])
     k = 12_000 * 4
     assert r["checks"]["ring"] == [[k, k, 2], [k, k, 2]]  # 2(N-1)/N K = K each way at N = 2
     for name, collective in (("torch", "all_reduce"), ("ring", "all_reduce"),
@@ -267,3 +268,19 @@ def test_write_records_json_and_csv_round_trip(tmp_path):
         write_records(tmp_path / "y", [], meta)
     with pytest.raises(FileNotFoundError, match="benchmarks/README.md"):
         read_records(tmp_path / "missing.json")
+
+
+def test_runnable_tasks_reads_the_running_count(monkeypatch):
+    # Linux's /proc/loadavg: "1min 5min 15min running/total last_pid"; the reader is running.
+    monkeypatch.setattr(bench.pathlib.Path, "exists", lambda self: True)
+    monkeypatch.setattr(bench.pathlib.Path, "read_text", lambda self: "0.50 0.40 0.30 3/100 123\n")
+    assert bench.runnable_tasks(0.0, 4) == 2.0
+    monkeypatch.setattr(bench.pathlib.Path, "read_text", lambda self: "0.50 0.40 0.30 1/100 123\n")
+    assert bench.runnable_tasks(0.0, 1) == 0.0  # only the reader: nothing else busy
+    with pytest.raises(ValueError, match="samples"):
+        bench.runnable_tasks(1.0, 0)
+
+
+def test_runnable_tasks_on_this_machine():
+    busy = bench.runnable_tasks(0.05, 2)
+    assert busy is None or busy >= 0

@@ -9,6 +9,7 @@ from ddp_course.scaling import (
     StepTimeModel,
     amdahl_speedup,
     comm_can_overlap,
+    compute_slowdown,
     efficiency_table,
     exposed_comm,
     fit_amdahl,
@@ -113,3 +114,40 @@ def test_comm_can_overlap():
     assert not comm_can_overlap("cpu", 2, 2, 4)
     with pytest.raises(ValueError, match=">= 1"):
         comm_can_overlap("cpu", 2, 0, 2)
+
+
+def test_fits_at_their_bound_unclipped():
+    # A slow-down (speed-ups below 1) needs s > 1, outside Amdahl's law: clipped to 1.
+    n, slow = [1, 2, 4], [1.0, 0.5, 0.3]
+    raw = fit_amdahl(n, slow, clip=False)
+    assert raw > 1 and fit_amdahl(n, slow) == 1.0
+    # By hand: x = 1 - 1/N = (0.5, 0.75), y = 1/S - 1/N = (1.5, 3.0833); s = x.y / x.x.
+    x, y = np.array([0.5, 0.75]), np.array([2 - 0.5, 1 / 0.3 - 0.25])
+    assert raw == pytest.approx(x @ y / (x @ x))
+    # Super-linear speed-ups need s < 0: clipped to 0.
+    assert fit_amdahl([1, 2], [1.0, 2.5], clip=False) < 0 == fit_amdahl([1, 2], [1.0, 2.5])
+    # Weak scaling with no gain at all: N - S = N - 1, so s = 1 exactly, clipped or not.
+    assert fit_gustafson([1, 2, 4], [1.0, 1.0, 1.0], clip=False) == pytest.approx(1.0)
+    assert fit_gustafson([1, 2, 4], [1.0, 0.9, 0.8], clip=False) > 1
+
+
+def test_compute_slowdown_and_a_slowed_model():
+    assert compute_slowdown("cuda", 8, 4, 2) == 1.0  # a GPU per rank
+    assert compute_slowdown("cpu", 2, 1, 2) == 1.0  # a core per rank
+    assert compute_slowdown("cpu", 4, 1, 2) == 2.0  # two ranks per core
+    assert compute_slowdown("cpu", 2, 2, 2) == 2.0  # two threads per core
+    assert compute_slowdown("cpu", 3, 1, 2) == 1.5
+    assert compute_slowdown("cpu", 1, 1, 8) == 1.0  # idle cores do not speed a rank up
+    with pytest.raises(ValueError, match=">= 1"):
+        compute_slowdown("cpu", 0, 1, 2)
+    model = StepTimeModel(0.010, 0.020, 0.005, overlap=False)
+    twice = model.slowed(2.0)
+    assert (twice.forward_s, twice.backward_s, twice.optimizer_s) == pytest.approx(
+        (0.020, 0.040, 0.010)
+    )
+    assert twice.overlap is False
+    link = AlphaBeta(alpha=1e-3, beta=1e-9)
+    # The compute doubles; the communication (4 buckets of 2 ms, after backward) does not.
+    assert twice.predict([1e6] * 4, link, 2) == pytest.approx(0.070 + 0.008)
+    with pytest.raises(ValueError, match="> 0"):
+        model.slowed(0.0)
