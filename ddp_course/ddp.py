@@ -19,6 +19,16 @@ Distributed: Experiences on Accelerating Data Parallel Training", VLDB 2020
 (https://arxiv.org/abs/2006.15704), sections 3.2 (bucketing, overlap, the
 order of buckets, unused parameters) and 3.2.4 (``no_sync``).
 
+What "waits" means depends on the backend. With gloo (CPU), ``work.wait()``
+blocks the calling thread until the all-reduce has finished, so when
+``loss.backward()`` returns the averaged gradients are in ``.grad``. With
+nccl (CUDA), ``work.wait()`` makes the current CUDA stream wait for the
+collective and returns at once: the host goes on, and every kernel queued on
+that stream afterwards (the copy into ``.grad``, the optimizer step) runs after
+the all-reduce; only a host read (``.item()``, ``.cpu()``,
+``torch.cuda.synchronize()``) waits for the values. torch's DDP behaves the
+same way.
+
 Every process must build the same model and run forward and backward the same
 number of times; the ranks call collectives in the same order because the
 buckets are launched in a fixed order (bucket ``i`` never before bucket
@@ -107,10 +117,13 @@ class NaiveDDP(nn.Module):
     At construction rank 0's parameters and buffers are broadcast. A
     ``register_post_accumulate_grad_hook`` on every trainable parameter starts
     ``all_reduce(p.grad / world_size)`` as soon as autograd has written
-    ``p.grad``; a callback queued on the autograd engine waits for all of
-    them, so when ``loss.backward()`` returns every ``.grad`` holds the
-    average over ranks (float32/float16/bfloat16 on CPU with gloo or on CUDA
-    with nccl). Many small messages: the latency of each call adds up, which
+    ``p.grad``; a callback queued on the autograd engine calls ``wait()`` on
+    all of them. With gloo that blocks until they are done, so when
+    ``loss.backward()`` returns every ``.grad`` holds the average over ranks;
+    with nccl it orders the current CUDA stream after them and the host goes
+    on, so every later kernel on that stream sees the average (module
+    docstring). float32/float16/bfloat16 on CPU with gloo or on CUDA with nccl.
+    Many small messages: the latency of each call adds up, which
     is why torch's DDP buckets them (design note, "Gradient bucketing").
 
     Args:
@@ -207,8 +220,11 @@ class BucketedDDP(nn.Module):
     - backward: a post-accumulate-grad hook copies each gradient into its
       bucket; when a bucket is full and all buckets before it are launched,
       ``all_reduce(bucket / world_size)`` starts asynchronously. A callback
-      queued on the autograd engine waits for every bucket and copies the
-      averages back into ``.grad`` before ``loss.backward()`` returns.
+      queued on the autograd engine calls ``wait()`` on every bucket and
+      copies the averages back into ``.grad``. With gloo ``wait()`` blocks, so
+      the averages are in ``.grad`` when ``loss.backward()`` returns; with
+      nccl it makes the current CUDA stream wait for the all-reduce and the
+      host goes on: the copies and the optimizer step are queued behind it.
     - ``no_sync()``: the backward of a forward run inside it communicates
       nothing and gradients accumulate locally in ``.grad``; the first
       backward of a forward outside it averages the sum. Like torch, the
@@ -229,7 +245,10 @@ class BucketedDDP(nn.Module):
             synchronised backward: ``("grad", name, t)`` when a gradient was
             ready, ``("launch", i, t)`` and ``("done", i, t)`` per bucket all-reduce
             (``done`` from the all-reduce future's completion callback),
-            ``("end", None, t)`` when the callback had finished.
+            ``("end", None, t)`` when the callback had finished. Host times:
+            on CUDA a hook runs when autograd queued the gradient's kernels,
+            and nccl completes the future once later kernels may use the
+            result, not when the GPU has finished the all-reduce.
 
     Args:
         module: the model, on this rank's device.
@@ -398,6 +417,8 @@ class BucketedDDP(nn.Module):
             dist.all_reduce(used, group=self.process_group)
             used = {p for p, flag in zip(params, used.tolist()) if flag > 0}
         for bucket in self.buckets:
+            # gloo: blocks until reduced. nccl: the current stream waits for
+            # the all-reduce; the copies below are queued after it.
             bucket.work.wait()
             for i, p in enumerate(bucket.params):
                 if used is not None and p not in used:

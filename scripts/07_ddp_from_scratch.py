@@ -10,6 +10,11 @@ times one backward pass per rank (gradients ready, each bucket's all-reduce)
 for one bucket per parameter, buckets reduced after backward, and buckets
 overlapped with backward; and it runs gradient accumulation with no_sync
 right and wrong. Rank 0 writes everything to --results as JSON.
+
+Models and batches live on ctx.device (cuda:<local rank> with nccl, else
+cpu with gloo). On a GPU the timeline's times are host times: when a hook ran
+and when an all-reduce was queued; with nccl, "done" is when the result may
+be used by the next kernels on the stream, not when the GPU finished it.
 """
 
 import argparse
@@ -19,12 +24,13 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_course.ddp import BucketedDDP, NaiveDDP, average_gradients
 from ddp_course.engine import write_results
 from ddp_course.models import LayerStack
-from ddp_course.runtime import distributed, get_logger
+from ddp_course.runtime import distributed, get_logger, no_tf32
 
 
 def parse_args():
@@ -39,16 +45,24 @@ def parse_args():
     return p.parse_args()
 
 
-def make_model(args, seed):
+def make_model(args, seed, device):
     torch.manual_seed(seed)
-    return LayerStack(784, args.width, args.layers, num_classes=10)
+    return LayerStack(784, args.width, args.layers, num_classes=10).to(device)  # NEW: device
 
 
-def global_batches(args, world_size, steps, per_rank):
+def global_batches(args, world_size, steps, per_rank, device):
     gen = torch.Generator().manual_seed(1)  # the same global batches on every rank
     n = world_size * per_rank
-    return [(torch.randn(n, 784, generator=gen), torch.randint(0, 10, (n,), generator=gen))
+    # Drawn on the CPU (the same numbers on every device), then moved.
+    return [(torch.randn(n, 784, generator=gen).to(device),
+             torch.randint(0, 10, (n,), generator=gen).to(device))
             for _ in range(steps)]  # fmt: skip
+
+
+def sync(device):
+    """Wait for the GPU's queued work, so that a clock read after it means something."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def max_param_diff(a, b):
@@ -57,9 +71,9 @@ def max_param_diff(a, b):
 
 def compare_with_torch(kind, args, ctx):
     """Largest |parameter - torch DDP's| after ``args.steps`` SGD steps."""
-    reference = DDP(make_model(args, seed=0))
+    reference = DDP(make_model(args, 0, ctx.device))
     # Ranks other than 0 start elsewhere on purpose: the broadcast must fix that.
-    local = make_model(args, seed=0 if ctx.rank == 0 else 100 + ctx.rank)
+    local = make_model(args, 0 if ctx.rank == 0 else 100 + ctx.rank, ctx.device)
     if kind == "average_gradients":
         with torch.no_grad():  # by hand: rank 0's parameters to everyone
             for p in local.parameters():
@@ -72,7 +86,7 @@ def compare_with_torch(kind, args, ctx):
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (reference, model)]
     b = args.batch_size
     mine = slice(ctx.rank * b, (ctx.rank + 1) * b)
-    for x, y in global_batches(args, ctx.world_size, args.steps, b):
+    for x, y in global_batches(args, ctx.world_size, args.steps, b, ctx.device):
         for m, opt in zip((reference, model), opts):
             opt.zero_grad()
             F.cross_entropy(m(x[mine]), y[mine]).backward()
@@ -84,22 +98,26 @@ def compare_with_torch(kind, args, ctx):
 
 def timeline(args, ctx, cap_mb, overlap):
     """Times (ms from the start of backward) of gradients and bucket all-reduces, this rank."""
-    model = BucketedDDP(make_model(args, 0), bucket_cap_mb=cap_mb, overlap=overlap)
-    x, y = global_batches(args, 1, 1, args.batch_size)[0]
+    model = BucketedDDP(make_model(args, 0, ctx.device), bucket_cap_mb=cap_mb, overlap=overlap)
+    x, y = global_batches(args, 1, 1, args.batch_size, ctx.device)[0]
     for _ in range(3):  # the last one is recorded; the first ones warm up
         loss = F.cross_entropy(model(x), y)
+        sync(ctx.device)  # forward finished before the clock starts
         start = time.perf_counter()
         loss.backward()
+        sync(ctx.device)  # on a GPU backward returns before its kernels have run
         stop = time.perf_counter()
-    grads, per_bucket = [], {"launch": {}, "done": {}}
+    grads, names, per_bucket = [], [], {"launch": {}, "done": {}}
     for kind, where, t in model.events:
         if kind == "grad":
             grads.append(1e3 * (t - start))
+            names.append(where)
         elif kind in per_bucket:
             per_bucket[kind][where] = 1e3 * (t - start)
     returned = 1e3 * (stop - start)
     buckets = range(len(model.buckets))
     return {"buckets": len(model.buckets), "backward_returned": returned, "grad": grads,
+            "grad_names": names, "bucket_names": model.bucket_names(),
             "launch": [per_bucket["launch"][i] for i in buckets],
             "done": [per_bucket["done"].get(i, returned) for i in buckets]}  # fmt: skip
 
@@ -115,17 +133,36 @@ class AllReduceCounter:
         return self.inner(*a, **kw)
 
 
-def accumulate(args, ctx, how):
-    """One optimizer step from ``args.accum`` micro-batches, three ways of using no_sync."""
+def accumulate(args, ctx, how, wrapper="BucketedDDP"):
+    """One optimizer step from ``args.accum`` micro-batches, three ways of using no_sync.
+
+    ``wrapper``: ``"BucketedDDP"`` (all-reduce calls counted at ``dist.all_reduce``)
+    or ``"torch DDP"`` (bucket all-reduces counted by a communication hook).
+    ``synced[i]``: whether micro-batch ``i``'s backward communicated.
+    """
     k, b = args.accum, args.batch_size
-    model = BucketedDDP(make_model(args, 0), bucket_cap_mb=args.bucket_cap_mb)
+    net = make_model(args, 0, ctx.device)
+    hook_calls = [0]
+    if wrapper == "BucketedDDP":
+        model = BucketedDDP(net, bucket_cap_mb=args.bucket_cap_mb)
+    else:
+        model = DDP(net, bucket_cap_mb=args.bucket_cap_mb)
+
+        def counting_hook(group, bucket):  # torch's default all-reduce, counted
+            hook_calls[0] += 1
+            return default_hooks.allreduce_hook(group, bucket)
+
+        model.register_comm_hook(dist.group.WORLD, counting_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    x, y = global_batches(args, ctx.world_size, 1, k * b)[0]
-    mine = torch.arange(ctx.world_size * k * b).view(ctx.world_size, k, b)[ctx.rank]
+    x, y = global_batches(args, ctx.world_size, 1, k * b, ctx.device)[0]
+    mine = torch.arange(ctx.world_size * k * b, device=ctx.device)
+    mine = mine.view(ctx.world_size, k, b)[ctx.rank]
     counter = AllReduceCounter()
     dist.all_reduce = counter
+    synced = []
     try:
         for i in range(k):
+            before = counter.calls + hook_calls[0]
             last = i == k - 1
             xs, ys = x[mine[i]], y[mine[i]]
             if how == "right":  # forward and backward inside no_sync, except the last
@@ -138,11 +175,12 @@ def accumulate(args, ctx, how):
             else:  # "never": the last micro-batch inside no_sync too
                 with model.no_sync():
                     (F.cross_entropy(model(xs), ys) / k).backward()
+            synced.append(counter.calls + hook_calls[0] > before)
     finally:
         dist.all_reduce = counter.inner
     opt.step()
     # The same step on one process, with the whole global batch.
-    single = make_model(args, 0)
+    single = make_model(args, 0, ctx.device)
     single_opt = torch.optim.SGD(single.parameters(), lr=0.05)
     F.cross_entropy(single(x), y).backward()
     single_opt.step()
@@ -151,14 +189,17 @@ def accumulate(args, ctx, how):
     everyone = [torch.empty_like(flat) for _ in range(ctx.world_size)]
     dist.all_gather(everyone, flat)
     spread = max((t - everyone[0]).abs().max().item() for t in everyone)
-    return {"all_reduce_calls": counter.calls, "buckets": len(model.buckets),
-            "diff_single": max_param_diff(model.module, single), "rank_spread": spread}  # fmt: skip
+    buckets = len(model.buckets) if wrapper == "BucketedDDP" else None
+    return {"all_reduce_calls": counter.calls, "hook_calls": hook_calls[0], "synced": synced,
+            "buckets": buckets, "diff_single": max_param_diff(model.module, single),
+            "rank_spread": spread}  # fmt: skip
 
 
 def main():
     args = parse_args()
     with distributed(group_of_one=True) as ctx:
         log = get_logger(ctx)
+        no_tf32()  # compared to 1e-5: full float32 on every side, also on a GPU
         world_size = dist.get_world_size()
         diffs = {k: compare_with_torch(k, args, ctx)
                  for k in ("average_gradients", "NaiveDDP", "BucketedDDP")}  # fmt: skip
@@ -171,14 +212,19 @@ def main():
         }
         per_rank = [None] * world_size
         dist.all_gather_object(per_rank, timelines)
-        accumulation = {how: accumulate(args, ctx, how)
-                        for how in ("right", "backward_only", "never")}  # fmt: skip
+        ways = ("right", "backward_only", "never")
+        accumulation = {how: accumulate(args, ctx, how) for how in ways}
+        # The same three ways with torch's DDP: does its forward decide, too?
+        accumulation_torch = {how: accumulate(args, ctx, how, "torch DDP") for how in ways}
         global_batch = args.batch_size * args.accum * world_size
         log.info(f"global batch = micro-batch {args.batch_size} x accumulation {args.accum} "
                  f"x world size {world_size} = {global_batch} samples per step")  # fmt: skip
         write_results(ctx, args.results, {"world_size": world_size, "steps": args.steps,
                                           "diffs": diffs, "timelines": per_rank,
-                                          "accumulation": accumulation, "accum": args.accum,
+                                          "accumulation": accumulation,
+                                          "accumulation_torch": accumulation_torch,
+                                          "accum": args.accum, "bucket_cap_mb": args.bucket_cap_mb,
+                                          "width": args.width, "layers": args.layers,
                                           "batch_size": args.batch_size})  # fmt: skip
 
 

@@ -9,11 +9,16 @@ Run from the repository root:
 With --unused-error a model with a branch that forward skips is wrapped with
 the default find_unused_parameters=False; its second step fails with torch's
 "Expected to have finished reduction in the prior iteration" error.
+
+Models and batches live on ctx.device (cuda:<local rank> with nccl, else cpu
+with gloo); on a GPU the gradient_as_bucket_view experiment measures CUDA
+memory (torch.cuda.memory_allocated) instead of the process's resident memory.
 """
 
 import argparse
 import gc
 import inspect
+import warnings
 
 import psutil
 import torch
@@ -25,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddp_course.ddp import BucketedDDP
 from ddp_course.engine import write_results
 from ddp_course.models import LayerStack
-from ddp_course.runtime import distributed, get_logger
+from ddp_course.runtime import distributed, get_logger, no_tf32
 
 
 def parse_args():
@@ -54,7 +59,8 @@ class TwoHeads(nn.Module):
 
 def batch(ctx, b, seed):
     gen = torch.Generator().manual_seed(seed * 100 + ctx.rank)  # each rank its own data
-    return torch.randn(b, 784, generator=gen), torch.randint(0, 10, (b,), generator=gen)
+    x, y = torch.randn(b, 784, generator=gen), torch.randint(0, 10, (b,), generator=gen)
+    return x.to(ctx.device), y.to(ctx.device)  # NEW: drawn on the CPU, used on ctx.device
 
 
 def train(model, ctx, args, **forward_kwargs):
@@ -73,28 +79,51 @@ def same_on_every_rank(tensor, world_size):
     return all(torch.equal(everyone[0], t) for t in everyone[1:])
 
 
+def logged_sizes(model, key):
+    """Bucket sizes (bytes) from torch's DDP logging data: "2919464" or "1062952, 1856512"."""
+    return [int(s) for s in str(model._get_ddp_logging_data().get(key, "")).split(", ") if s]
+
+
 def bucket_sizes(cap_mb, ctx, args):
-    """Bucket sizes in bytes: torch's DDP (as rebuilt after its first step) and BucketedDDP."""
+    """Bucket sizes in bytes: torch's DDP (first iteration, and as rebuilt) and BucketedDDP.
+
+    ``cap_mb=None`` leaves torch's and BucketedDDP's default (25 MB).
+    """
     torch.manual_seed(0)
     three_steps = argparse.Namespace(**{**vars(args), "steps": 3})
-    model = train(DDP(LayerStack(784, 256, 8), bucket_cap_mb=cap_mb), ctx, three_steps)
-    # The first step runs with provisional buckets; torch rebuilds them in the
-    # order the gradients arrived and logs their sizes in a later forward.
-    logged = model._get_ddp_logging_data().get("rebuilt_bucket_sizes", "")
-    ours = BucketedDDP(LayerStack(784, 256, 8), bucket_cap_mb=cap_mb).bucket_bytes()
-    return {"torch": [int(s) for s in str(logged).split(", ") if s], "ours": ours}
+    net = LayerStack(784, 256, 8).to(ctx.device)
+    kwargs = {} if cap_mb is None else {"bucket_cap_mb": cap_mb}
+    model = DDP(net, **kwargs)
+    first = logged_sizes(model, "bucket_sizes")  # the buckets of the first iteration
+    model = train(model, ctx, three_steps)
+    # torch rebuilds the buckets after the first iteration, in the order the
+    # gradients arrived, and logs their sizes in a later forward.
+    rebuilt = logged_sizes(model, "rebuilt_bucket_sizes")
+    net = LayerStack(784, 256, 8).to(ctx.device)
+    ours = BucketedDDP(net, **kwargs).bucket_bytes()
+    param_bytes = [p.numel() * p.element_size() for p in net.parameters()]
+    return {"torch_first_iteration": first, "torch": rebuilt, "ours": ours,
+            "parameter_bytes": param_bytes}  # fmt: skip
 
 
-def buffers_experiment(broadcast, ctx, args):
-    """BatchNorm running statistics and eval outputs, per rank, after training."""
+def buffers_experiment(keyword, value, ctx, args, wrapper=DDP):
+    """BatchNorm statistics per rank: right after DDP's construction, and after training.
+
+    ``keyword`` is ``"broadcast_buffers"`` or ``"forward_sync_buffers"`` (torch
+    2.13 and later), passed to DDP with ``value``. Each rank's running mean
+    starts at its rank number, so ``init_equal`` tells whether the
+    constructor broadcast rank 0's buffers.
+    """
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(784, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 10))
-    # torch 2.13 renamed broadcast_buffers to forward_sync_buffers; older
-    # versions know only the first name.
-    if "forward_sync_buffers" in inspect.signature(DDP).parameters:
-        model = DDP(net, forward_sync_buffers=broadcast)
-    else:
-        model = DDP(net, broadcast_buffers=broadcast)
+    net = net.to(ctx.device)
+    net[1].running_mean.fill_(float(ctx.rank))  # rank-local buffers before wrapping
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = wrapper(net, **{keyword: value})
+    deprecated = any(issubclass(w.category, FutureWarning) and keyword in str(w.message)
+                     for w in caught)  # fmt: skip
+    init_equal = same_on_every_rank(net[1].running_mean, ctx.world_size)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     for step in range(args.steps):
         x, y = batch(ctx, args.batch_size, step)
@@ -103,60 +132,122 @@ def buffers_experiment(broadcast, ctx, args):
         F.cross_entropy(model(x), y).backward()
         opt.step()
     model.eval()
-    probe = torch.ones(4, 784)
+    probe = torch.ones(4, 784, device=ctx.device)
     with torch.no_grad():
-        out = model(probe)  # with broadcast_buffers, rank 0's statistics are sent first
-    return {"running_mean_equal": same_on_every_rank(net[1].running_mean, ctx.world_size),
+        out = model(probe)  # when buffers are synced in forward, rank 0's go out first
+    return {"keyword": keyword, "value": value, "deprecation_warning": deprecated,
+            "init_equal": init_equal,
+            "running_mean_equal": same_on_every_rank(net[1].running_mean, ctx.world_size),
             "eval_output_equal": same_on_every_rank(out, ctx.world_size)}  # fmt: skip
 
 
-def rss_growth_mb(as_view, ctx, args):
-    """Resident memory growth (MB) from building DDP through one step, with or without views."""
+def buffer_settings():
+    """(label, keyword, value) of the buffer-sync settings this torch accepts.
+
+    torch 2.13 deprecated ``broadcast_buffers`` for ``forward_sync_buffers``
+    (read ``inspect.signature(DDP)``); older versions know only the first.
+    """
+    settings = [("broadcast_buffers=True", "broadcast_buffers", True),
+                ("broadcast_buffers=False", "broadcast_buffers", False)]  # fmt: skip
+    if "forward_sync_buffers" in inspect.signature(DDP).parameters:
+        settings += [("forward_sync_buffers=True", "forward_sync_buffers", True),
+                     ("forward_sync_buffers=False", "forward_sync_buffers", False)]  # fmt: skip
+    return settings
+
+
+def unused_on_some_ranks(ctx, args):
+    """BucketedDDP and torch's DDP, find_unused_parameters=True, heads used per rank and step.
+
+    Rank r uses head_a when (r + step) is even, head_b otherwise, so in every
+    step each head is used on some ranks and unused on others (with 2 ranks
+    or more); an unused rank's bucket slot must count as zero. Returns the
+    largest parameter difference between the two after the steps.
+    """
+    models = []
+    for wrap in (BucketedDDP, DDP):
+        torch.manual_seed(0)
+        models.append(wrap(TwoHeads().to(ctx.device), find_unused_parameters=True))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
+    for step in range(args.steps + 1):
+        x, y = batch(ctx, args.batch_size, step)
+        head = "a" if (ctx.rank + step) % 2 == 0 else "b"
+        for model, opt in zip(models, opts):
+            opt.zero_grad()
+            F.cross_entropy(model(x, head=head), y).backward()
+            opt.step()
+    ours, theirs = (m.module for m in models)
+    return max((p - q).abs().max().item() for p, q in zip(ours.parameters(), theirs.parameters()))
+
+
+def memory_used(device):
+    """Bytes in use where the gradients live: CUDA memory allocated, or the process's RSS."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return torch.cuda.memory_allocated(device)
+    return psutil.Process().memory_info().rss
+
+
+def memory_growth_mb(as_view, ctx, args):
+    """Memory growth (MB) from building DDP through one step, with or without views."""
     gc.collect()
-    before = psutil.Process().memory_info().rss
     torch.manual_seed(0)
-    net = LayerStack(784, args.mem_width, 8)
+    net = LayerStack(784, args.mem_width, 8).to(ctx.device)
+    before = memory_used(ctx.device)  # the parameters are not part of the growth
     params_mb = sum(p.numel() * p.element_size() for p in net.parameters()) / 2**20
     model = DDP(net, gradient_as_bucket_view=as_view)
     x, y = batch(ctx, 4, 0)
     F.cross_entropy(model(x), y).backward()
-    grown = (psutil.Process().memory_info().rss - before) / 2**20
+    grown = (memory_used(ctx.device) - before) / 2**20
     grad_storages = {p.grad.untyped_storage().data_ptr() for p in net.parameters()}
     del model, net
     gc.collect()
-    return {"rss_growth_mb": grown, "params_mb": params_mb, "grad_storages": len(grad_storages)}
+    where = "CUDA memory allocated" if ctx.device.type == "cuda" else "process RSS"
+    return {"memory_growth_mb": grown, "measured": where, "params_mb": params_mb,
+            "grad_storages": len(grad_storages)}  # fmt: skip
 
 
 def main():
     args = parse_args()
     with distributed(group_of_one=True) as ctx:
         log = get_logger(ctx)
+        no_tf32()  # BucketedDDP against torch's DDP to 1e-5: full float32, also on a GPU
         n = dist.get_world_size()
         if args.unused_error:
             torch.manual_seed(0)
-            train(DDP(TwoHeads()), ctx, args, head="a")  # head_b never gets a gradient
+            net = TwoHeads().to(ctx.device)
+            train(DDP(net), ctx, args, head="a")  # head_b never gets a gradient
             return
         results = {"world_size": n}
-        results["buckets"] = {cap: bucket_sizes(cap, ctx, args) for cap in (0.25, 1.0)}
+        results["buckets"] = {str(cap): bucket_sizes(cap, ctx, args) for cap in (0.25, 1.0, None)}
         for cap, sizes in results["buckets"].items():
             log.info(f"bucket_cap_mb={cap}: {len(sizes['torch'])} buckets of {sizes['torch']} B")
-        results["broadcast_buffers"] = {
-            str(flag): buffers_experiment(flag, ctx, args) for flag in (True, False)
+        results["buffers"] = {
+            label: buffers_experiment(keyword, value, ctx, args)
+            for label, keyword, value in buffer_settings()
         }
-        log.info(f"broadcast_buffers: {results['broadcast_buffers']}")
+        # BucketedDDP's broadcast_buffers, the same experiment.
+        results["buffers_bucketed"] = {
+            f"broadcast_buffers={flag}": buffers_experiment(
+                "broadcast_buffers", flag, ctx, args, wrapper=BucketedDDP
+            )
+            for flag in (True, False)
+        }
+        log.info(f"buffer sync: {results['buffers']}, BucketedDDP {results['buffers_bucketed']}")
         finals = {}
         for name, kwargs in (("find_unused_parameters", {"find_unused_parameters": True}),
                              ("static_graph", {"static_graph": True})):  # fmt: skip
             torch.manual_seed(0)
-            net = train(DDP(TwoHeads(), **kwargs), ctx, args, head="a").module
+            net = TwoHeads().to(ctx.device)
+            net = train(DDP(net, **kwargs), ctx, args, head="a").module
             finals[name] = torch.cat([p.detach().flatten() for p in net.parameters()])
             log.info(f"{name}=True: {args.steps} steps with an unused head, no error")
         results["unused_fixed"] = {
             "same_result": torch.equal(finals["find_unused_parameters"], finals["static_graph"]),
             "ranks_agree": same_on_every_rank(finals["static_graph"], n),
+            "bucketed_vs_torch_some_ranks": unused_on_some_ranks(ctx, args),
         }
         results["gradient_as_bucket_view"] = {
-            str(flag): rss_growth_mb(flag, ctx, args) for flag in (False, True)
+            str(flag): memory_growth_mb(flag, ctx, args) for flag in (False, True)
         }
         log.info(f"gradient_as_bucket_view: {results['gradient_as_bucket_view']}")
         write_results(ctx, args.results, results)

@@ -10,6 +10,8 @@ SGD: Training ImageNet in 1 Hour" (arXiv:1706.02677): multiply the learning
 rate by N, and ramp it up from the base rate over the first steps. One job
 trains on sub-groups of its ranks (the first 1, 2, then 4), the same epochs each
 time, with three learning-rate policies, and evaluates on the 1,000 test digits.
+The model and every batch live on ctx.device (cuda:<local rank> with nccl,
+else cpu with gloo).
 """
 
 import argparse
@@ -48,12 +50,12 @@ def learning_rate(policy, step, n, args):
     return args.lr + (target - args.lr) * step / args.warmup_steps  # gradual warm-up
 
 
-def train(policy, n, group, rank, args, images, labels):
+def train(policy, n, group, ctx, args, images, labels):
     torch.manual_seed(0)
-    model = DDP(MLP(784, 128, 2), process_group=group)
+    model = DDP(MLP(784, 128, 2).to(ctx.device), process_group=group)  # NEW: on ctx.device
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     per_rank = len(images) // n
-    mine = torch.arange(rank * per_rank, (rank + 1) * per_rank)
+    mine = torch.arange(ctx.rank * per_rank, (ctx.rank + 1) * per_rank)
     step = 0
     for epoch in range(args.epochs):
         order = mine[torch.randperm(per_rank, generator=torch.Generator().manual_seed(epoch))]
@@ -62,7 +64,8 @@ def train(policy, n, group, rank, args, images, labels):
             for g in opt.param_groups:
                 g["lr"] = learning_rate(policy, step, n, args)
             opt.zero_grad()
-            F.cross_entropy(model(images[idx]), labels[idx]).backward()
+            x, y = images[idx].to(ctx.device), labels[idx].to(ctx.device)
+            F.cross_entropy(model(x), y).backward()
             opt.step()
             step += 1
     return model.module, step
@@ -82,7 +85,7 @@ def main():
         for n in sizes:
             for policy in POLICIES if n > 1 else POLICIES[:1]:
                 if ctx.rank < n:
-                    module, steps = train(policy, n, groups[n], ctx.rank, args, images, labels)
+                    module, steps = train(policy, n, groups[n], ctx, args, images, labels)
                     if ctx.rank == 0:
                         accuracy = evaluate(module, test_set, alone)["accuracy"]
                         rows.append({"world_size": n, "policy": policy, "steps": steps,

@@ -132,3 +132,20 @@ def test_bad_bucket_cap_before_anything_else():
     with pytest.raises(ValueError, match="bucket_cap_mb"):
         BucketedDDP(nn.Linear(2, 2), bucket_cap_mb=-1)
     assert torch.distributed.is_available()
+
+
+def test_layer_unused_on_some_ranks_counts_as_zero_like_torch():
+    # find_unused_parameters=True, a layer used by rank 0 only in step 1: rank
+    # 1's slot must count as zero in the average (torch's DDP does so); a slot
+    # left holding step 0's gradient would pass every other test here.
+    run = launch.torchrun(WORKERS / "ddp_unused_on_some_ranks.py", nproc=2, results=True,
+                          echo=False, timeout_s=240)  # fmt: skip
+    for rank, steps in enumerate(run.results):
+        assert [s["uses"] for s in steps] == [[True, True], [True, False], [False, False],
+                                              [True, True]]  # fmt: skip
+        # Step 1 is the case: a gradient of the layer exists, from rank 0 only.
+        assert steps[1]["extra_grad_norm"] > 0
+        for i, step in enumerate(steps):
+            worst = max(step["grad_diff"].values())
+            assert worst <= ATOL, f"rank {rank}, step {i}: gradients differ by {worst}"
+            assert step["param_diff"] <= ATOL, f"rank {rank}, step {i}: parameters differ"

@@ -43,9 +43,16 @@ def _check_from_scratch(r):
 
 
 def _check_knobs(r):
-    # The same bucket boundaries as torch's DDP, for both caps the lesson shows.
-    assert set(r["buckets"]) == {"0.25", "1.0"}
-    assert all(b["ours"] == b["torch"] and b["torch"] for b in r["buckets"].values())
+    # The same bucket boundaries as torch's rebuilt buckets for both explicit caps;
+    # with the default cap torch's first bucket is 1 MiB and BucketedDDP's is not.
+    assert set(r["buckets"]) == {"0.25", "1.0", "None"}
+    for cap in ("0.25", "1.0"):
+        assert (
+            r["buckets"][cap]["ours"] == r["buckets"][cap]["torch"] and r["buckets"][cap]["torch"]
+        )
+    assert r["buckets"]["None"]["ours"] != r["buckets"]["None"]["torch"]
+    # One process: every setting of the buffer experiments trains, whatever this torch has.
+    assert "broadcast_buffers=True" in r["buffers"] and r["buffers_bucketed"]
 
 
 def _check_sync_batchnorm(r):
