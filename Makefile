@@ -4,12 +4,14 @@
 # make lab     JupyterLab at the repository root (terminals there, .venv/bin first on PATH)
 # make site    the executed notebooks as a website in build/site (nothing is re-run)
 # make slurm-test  scripts/11_train.sbatch on a one-node Slurm started here (root; apt-get)
+# make gpu-check   on a GPU machine: tests/test_gpu.py and every notebook on the GPUs, a summary
+#                  in benchmarks/gpu-<GPU name>/ and a pass/fail table (at most 10 minutes)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup course test lab lint site slurm-test
+.PHONY: setup course test lab lint site slurm-test gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -42,3 +44,6 @@ site: $(STAMP)
 
 slurm-test: $(STAMP)
 	$(PY) -m pytest tests/test_slurm.py -v -ra
+
+gpu-check: $(STAMP)
+	$(PY) -m ddp_course gpu-check

@@ -1,4 +1,4 @@
-"""Command line: ``python -m ddp_course {check,course,execute,lab}``.
+"""Command line: ``python -m ddp_course {check,course,execute,lab,gpu-check}``.
 
 - ``check``: versions, devices, backends and the data set that will be used.
 - ``course``: execute every notebook in order, headless, into ``build/``,
@@ -8,6 +8,9 @@
   with the kernel metadata JupyterLab writes, so opening them changes nothing.
 - ``lab``: JupyterLab rooted at the repository, its terminals in the
   repository root with this environment's ``bin`` first on ``PATH``.
+- ``gpu-check``: on a GPU machine, ``tests/test_gpu.py`` and every notebook on
+  the GPUs, a summary in ``benchmarks/gpu-<GPU name>/`` and a pass/fail table;
+  one line and exit code 2 without a GPU (see :mod:`ddp_course.gpu_check`).
 """
 
 from __future__ import annotations
@@ -241,6 +244,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser(
         "lab", help="JupyterLab on the repository (further options go to JupyterLab)",
     )  # fmt: skip
+    gpu = sub.add_parser(
+        "gpu-check", help="run the GPU tests and every notebook on this machine's GPUs",
+    )  # fmt: skip
+    gpu.add_argument("--budget-s", type=float, default=None,
+                     help="start no new check after this many seconds (default 540; every "
+                          "pass is stopped 60 s later)")  # fmt: skip
+    gpu.add_argument("--out", type=pathlib.Path, default=None,
+                     help="results folder (default: benchmarks/gpu-<GPU name>)")  # fmt: skip
+    gpu.add_argument("--no-notebooks", action="store_true", help="run tests/test_gpu.py only")
     args, extra = parser.parse_known_args(argv)
     if args.command == "lab":
         return lab(extra)
@@ -248,6 +260,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "check":
         return check()
+    if args.command == "gpu-check":
+        from . import gpu_check
+
+        budget = gpu_check.BUDGET_S if args.budget_s is None else args.budget_s
+        shown = ["python", "-m", "ddp_course", "gpu-check", "--budget-s", f"{budget:g}"]
+        shown += ["--no-notebooks"] if args.no_notebooks else []
+        out = None if args.out is None else args.out.resolve()
+        return gpu_check.gpu_check(budget, out, not args.no_notebooks, command=shlex.join(shown))
     if args.command == "course":
         paths = args.notebooks or sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
         if not paths:
