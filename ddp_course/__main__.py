@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
 import platform
@@ -149,7 +150,11 @@ def course(paths: Sequence[pathlib.Path], out_dir: pathlib.Path | None, timeout_
 
 
 def lab_command(
-    root: pathlib.Path, uid: int | None, shell: Sequence[str] | None, extra: Sequence[str] = ()
+    root: pathlib.Path,
+    uid: int | None,
+    shell: Sequence[str] | None,
+    extra: Sequence[str] = (),
+    settings: pathlib.Path | None = None,
 ) -> list[str]:
     """The ``jupyter lab`` command line: served from ``root``, lesson 00 open.
 
@@ -159,6 +164,8 @@ def lab_command(
             without which JupyterLab refuses to start. ``None`` on Windows.
         shell: the terminals' command (see ``lab_shell``); ``None`` keeps Jupyter's.
         extra: further options passed to JupyterLab as they are (``--port=...``).
+        settings: JupyterLab's application settings folder, whose
+            ``overrides.json`` sets defaults (see ``lab_settings``).
     """
     command = [
         sys.executable, "-m", "jupyterlab",
@@ -167,6 +174,8 @@ def lab_command(
     ]  # fmt: skip
     if shell is not None:
         command.append(f"--ServerApp.terminado_settings=shell_command={shlex.join(shell)}")
+    if settings is not None:
+        command.append(f"--LabApp.app_settings_dir={settings}")
     if uid == 0:
         command.append("--allow-root")
     return [*command, *extra]
@@ -196,6 +205,24 @@ def lab_shell(root: pathlib.Path, bin_dir: pathlib.Path) -> list[str] | None:
     return [bash, "--rcfile", str(rc), "-i"]
 
 
+# Defaults the course sets for its JupyterLab: no "receive official Jupyter news?"
+# question on the first start (the course runs offline and a learner should start on
+# lesson 00, not on a pop-up). A learner's own settings still win over these.
+LAB_OVERRIDES = {"@jupyterlab/apputils-extension:notification": {"fetchNews": "false"}}
+
+
+def lab_settings(root: pathlib.Path) -> pathlib.Path:
+    """Write the course's JupyterLab defaults to ``root/build/lab/settings/overrides.json``.
+
+    Returns the folder, for ``--LabApp.app_settings_dir``
+    (https://jupyterlab.readthedocs.io/en/stable/user/directories.html#overridesjson).
+    """
+    folder = root / "build" / "lab" / "settings"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "overrides.json").write_text(json.dumps(LAB_OVERRIDES, indent=2) + "\n")
+    return folder
+
+
 def lab(extra: Sequence[str]) -> int:
     """Run JupyterLab for the course until it is stopped; its exit code.
 
@@ -217,7 +244,14 @@ def lab(extra: Sequence[str]) -> int:
     bin_dir = pathlib.Path(sys.executable).parent
     env = dict(os.environ, PATH=os.pathsep.join([str(bin_dir), os.environ.get("PATH", "")]))
     uid = os.geteuid() if hasattr(os, "geteuid") else None
-    command = lab_command(ROOT, uid, lab_shell(ROOT, bin_dir), extra)
+    command = lab_command(ROOT, uid, lab_shell(ROOT, bin_dir), extra, lab_settings(ROOT))
+    if os.name == "posix":
+        # Become JupyterLab: a SIGTERM or SIGINT sent to this process (by make, a
+        # process manager, a closed terminal) reaches the server itself, which stops
+        # its kernels and terminals, instead of killing a parent and leaving it behind.
+        sys.stdout.flush()
+        os.chdir(ROOT)
+        os.execve(sys.executable, command, env)
     try:
         return subprocess.call(command, env=env, cwd=ROOT)
     except KeyboardInterrupt:
@@ -273,6 +307,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not paths:
             parser.error(f"no notebooks found in {NOTEBOOKS}")
         return course(paths, args.out.resolve(), args.timeout)
+    # Stored outputs: the launcher's "still running" lines are for a person waiting,
+    # not for the record (DDP_COURSE_HEARTBEAT_S, see ddp_course.launch).
+    os.environ.setdefault("DDP_COURSE_HEARTBEAT_S", "0")
     return course(args.notebooks, None, args.timeout)
 
 

@@ -67,3 +67,15 @@ def test_kernelspec_is_the_installed_kernels():
     assert {"display_name": spec.display_name, "language": spec.language} == {
         k: KERNELSPEC[k] for k in ("display_name", "language")
     }
+
+
+def test_stored_outputs_hold_no_still_running_lines(tmp_path, monkeypatch):
+    # `execute` stores outputs: the kernel runs with the launcher's heartbeat off.
+    # setenv first, so that the value `execute` sets is undone after the test too
+    monkeypatch.setenv("DDP_COURSE_HEARTBEAT_S", "10")
+    monkeypatch.delenv("DDP_COURSE_HEARTBEAT_S")
+    path = tmp_path / "01_beat.ipynb"
+    code = "import os\nprint(os.environ.get('DDP_COURSE_HEARTBEAT_S'))"
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(code)]), path)
+    assert main(["execute", str(path)]) == 0
+    assert nbformat.read(path, as_version=4).cells[0].outputs[0]["text"] == "0\n"

@@ -135,3 +135,41 @@ def test_lab_terminal_runs_lesson_commands_from_the_repository_root(lab_server, 
     assert values.get("CWD") == str(root), seen
     assert values.get("TORCHRUN") == str(BIN / "torchrun"), seen
     assert values.get("PY") == str(BIN / "python"), seen
+
+
+def test_the_course_lab_asks_no_news_question(lab_server):
+    # JupyterLab's first start asks whether to fetch Jupyter news; the course answers no.
+    url, token = lab_server
+    plugin = "@jupyterlab/apputils-extension:notification"
+    settings = _api(f"{url}/lab/api/settings/{plugin}", token)
+    assert settings["schema"]["properties"]["fetchNews"]["default"] == "false"
+
+
+def test_sigterm_stops_jupyterlab_itself(root, tmp_path):
+    # `python -m ddp_course lab` becomes JupyterLab, so the signal reaches the server.
+    port, token = _free_port(), secrets.token_hex(16)
+    env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
+               JUPYTER_CONFIG_DIR=str(tmp_path / "config"))  # fmt: skip
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ddp_course", "lab", "--no-browser", f"--port={port}",
+         "--ip=127.0.0.1", f"--IdentityProvider.token={token}"],
+        cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                _api(f"{url}/api/status", token)
+                break
+            except OSError:
+                assert process.poll() is None and time.monotonic() < deadline, "no server"
+                time.sleep(0.5)
+        process.terminate()
+        process.wait(timeout=30)
+        with pytest.raises(OSError):
+            _api(f"{url}/api/status", token)  # nothing left serving the port
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

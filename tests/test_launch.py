@@ -195,6 +195,7 @@ def test_a_silent_job_says_it_is_still_running(tmp_path, monkeypatch, capsys):
     script = tmp_path / "slow.py"
     script.write_text("import time\ntime.sleep(2.5)\nprint('never shown')\n")
     monkeypatch.setattr(launch, "HEARTBEAT_S", 1.0)
+    monkeypatch.delenv(launch.HEARTBEAT_ENV, raising=False)
     launch.python(script, echo=False)
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "$ python slow.py"
