@@ -88,12 +88,15 @@ def shard_model(model, mesh, reshard_after_forward):
 
 
 def full_parameters(model):
-    """Every full parameter by name (DTensors all-gathered: call on every rank)."""
+    """A copy of every full parameter by name (DTensors all-gathered: call on every rank).
+
+    A copy: with one rank ``full_tensor()`` can share the sharded parameter's
+    memory, and a later load into the model would change the "before" values."""
     out = {}
     for name, p in model.named_parameters():
         out[name.removeprefix("module.")] = (
-            p.full_tensor() if isinstance(p, DTensor) else p
-        ).detach()
+            (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        )
     return out
 
 
