@@ -146,6 +146,14 @@ def _sum_over_ranks(ctx: DistContext, *values: float) -> list[float]:
     return t.tolist()
 
 
+def _inputs_for(model: nn.Module, x: torch.Tensor, ctx: DistContext) -> torch.Tensor:
+    # A batch on the rank's device, and floating inputs in the model's dtype
+    # (MNIST is float32; a float64 model, as in lesson 05's check, needs float64).
+    param = next(model.parameters(), None)
+    dtype = param.dtype if param is not None and x.is_floating_point() else None
+    return x.to(ctx.device, dtype=dtype, non_blocking=True)
+
+
 def train_one_epoch(
     model: nn.Module,
     loader: DataLoader,
@@ -162,7 +170,8 @@ def train_one_epoch(
     summed over all ranks, so every rank returns the same numbers.
 
     Args:
-        model: returns logits ``float32 [B, C]`` for a batch ``x``.
+        model: returns logits ``[B, C]`` for a batch ``x``; floating batches
+            are cast to the dtype of its parameters (float32 or float64).
         loader: yields ``(x, y)`` with ``y`` int64 ``[B]``.
         max_steps: stop after this many steps (tests and smoke runs).
         progress: draw a tqdm bar (on rank 0 only).
@@ -182,7 +191,7 @@ def train_one_epoch(
     for step, (x, y) in enumerate(loader):
         if step == steps:
             break
-        x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
+        x, y = _inputs_for(model, x, ctx), y.to(ctx.device, non_blocking=True)
         optimizer.zero_grad(set_to_none=True)
         loss = loss_fn(model(x), y)
         loss.backward()
@@ -217,7 +226,8 @@ def evaluate(
     Each rank evaluates its :func:`shard_indices` and the correct counts,
     loss sums and sample counts are all-reduced, so the result equals a
     single process evaluating the whole set, for any world size. (A padded
-    ``DistributedSampler`` would count repeated samples twice.)
+    ``DistributedSampler`` would count repeated samples twice.) Floating
+    inputs are cast to the dtype of the model's parameters.
 
     Returns:
         ``{"accuracy": float in [0, 1], "loss": mean cross-entropy,
@@ -228,7 +238,7 @@ def evaluate(
     loss_fn = nn.CrossEntropyLoss(reduction="sum")
     correct = loss_sum = count = 0.0
     for x, y in DataLoader(shard, batch_size=batch_size):
-        x, y = x.to(ctx.device), y.to(ctx.device)
+        x, y = _inputs_for(model, x, ctx), y.to(ctx.device)
         logits = model(x)
         loss_sum += loss_fn(logits, y).item()
         correct += (logits.argmax(1) == y).sum().item()

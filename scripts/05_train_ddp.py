@@ -4,7 +4,7 @@
     torchrun --nproc_per_node=2 scripts/05_train_ddp.py --epochs 5   # two ranks
     torchrun --nnodes=1 --nproc_per_node=4 scripts/05_train_ddp.py   # four GPUs
     torchrun --nproc_per_node=2 scripts/05_train_ddp.py --optimizer sgd --lr 0.05 \\
-        --grad-reduce sum --max-steps 20 --no-dropout    # a deliberately broken DDP
+        --grad-reduce sum --max-steps 20 --no-dropout --float64  # a deliberately broken DDP
 
 --batch-size is per rank: N ranks with batch b take the same steps as one
 process with batch N*b. Each rank uses cuda:<LOCAL_RANK> and nccl when there
@@ -12,7 +12,9 @@ are GPUs, else the CPU and gloo. Lines marked NEW are what DDP adds.
 
 Dropout draws different masks on every rank (seed + rank after the model is
 built), as the N*b samples of one process's batch would get; the model's
-initialisation and the sampler use the same seed everywhere.
+initialisation and the sampler use the same seed everywhere. TF32 is off
+(ddp_course.runtime.no_tf32), so float32 runs on a GPU compare to float32
+rounding; --float64 runs, which the lesson compares to 1e-9, to float64's.
 """
 
 import os
@@ -29,7 +31,14 @@ from ddp_course.checkpoint import load_checkpoint, save_checkpoint, unwrap
 from ddp_course.data import load_mnist
 from ddp_course.engine import TrainConfig, evaluate, train_one_epoch, write_results
 from ddp_course.models import SmallCNN
-from ddp_course.runtime import DistContext, distributed, get_logger, rank0_first, seed_everything
+from ddp_course.runtime import (
+    DistContext,
+    distributed,
+    get_logger,
+    no_tf32,
+    rank0_first,
+    seed_everything,
+)
 
 
 def allreduce_sum_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -54,7 +63,9 @@ def count_renames_onto(path: str) -> list:
     return renames
 
 
-def train(ctx: DistContext, cfg: TrainConfig, optimizer_name: str, grad_reduce: str) -> None:
+def train(
+    ctx: DistContext, cfg: TrainConfig, optimizer_name: str, grad_reduce: str, dtype: torch.dtype
+) -> None:
     log = get_logger(ctx)
     seed_everything(cfg.seed)  # the same model initialisation on every rank
     with rank0_first(ctx):  # NEW: one rank downloads, the others wait and then read
@@ -68,7 +79,7 @@ def train(ctx: DistContext, cfg: TrainConfig, optimizer_name: str, grad_reduce: 
                                  rank=ctx.rank, shuffle=True, seed=cfg.seed)  # fmt: skip
     loader = DataLoader(train_set.dataset, batch_size=cfg.batch_size, sampler=sampler)
 
-    model = SmallCNN(dropout=cfg.dropout).to(ctx.device)
+    model = SmallCNN(dropout=cfg.dropout).to(dtype).to(ctx.device)  # float32 or float64
     if ctx.is_distributed:  # NEW step 4: wrap; gradients are all-reduced in backward
         model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
         if grad_reduce == "sum":
@@ -108,7 +119,7 @@ def train(ctx: DistContext, cfg: TrainConfig, optimizer_name: str, grad_reduce: 
     write_results(ctx, cfg.results, {
         "world_size": ctx.world_size, "backend": ctx.backend, "device": str(ctx.device),
         "data_source": train_set.source, "epochs": cfg.epochs, "batch_size": cfg.batch_size,
-        "lr": cfg.lr, "optimizer": optimizer_name, "grad_reduce": grad_reduce,
+        "lr": cfg.lr, "optimizer": optimizer_name, "grad_reduce": grad_reduce, "dtype": str(dtype),
         "train_loss": history[-1]["train_loss"] if history else None,
         "test_accuracy": final["accuracy"], "test_samples": final["samples"],
         "samples_per_s": train_samples / train_seconds if history else None,
@@ -123,12 +134,18 @@ def main() -> None:
                         help="sgd to check the all-reduce: its step is lr x gradient")  # fmt: skip
     parser.add_argument("--grad-reduce", choices=["mean", "sum"], default="mean",
                         help="sum: a broken DDP that does not divide by N")  # fmt: skip
+    parser.add_argument("--float64", action="store_true",
+                        help="train in float64, for runs compared to float rounding")  # fmt: skip
     args = vars(parser.parse_args())
     cfg = TrainConfig.from_namespace(args, parser)
+    # Full float32 on Ampere+ GPUs (no TF32 convolutions), so that runs of this
+    # script compare to float rounding.
+    no_tf32()
     # NEW steps 1 and 2: a process group (env:// from torchrun's variables) and
     # this rank's device; the group is destroyed on the way out, even on errors.
     with distributed() as ctx:
-        train(ctx, cfg, args["optimizer"], args["grad_reduce"])
+        dtype = torch.float64 if args["float64"] else torch.float32
+        train(ctx, cfg, args["optimizer"], args["grad_reduce"], dtype)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@
 
 For every case, each rank trains a DDP model on its share of the data, then
 a plain copy of the same model on the whole global batch (what one process
-with batch N*b does), both with plain SGD, and rank 0 reports the largest
-difference between their parameters. The cases:
+with batch N*b does), both with plain SGD on the rank's device (TF32 off), and
+rank 0 reports the largest difference between their parameters. The cases:
 
   equal shares       rank r takes b of the N*b samples: the claim holds
   batchnorm          BatchNorm normalises with each rank's own batch statistics
@@ -27,7 +27,7 @@ from torch.utils.data import DistributedSampler
 
 from ddp_course.data import synthetic_classification
 from ddp_course.engine import parameter_gap, write_results
-from ddp_course.runtime import DistContext, distributed, get_logger
+from ddp_course.runtime import DistContext, distributed, get_logger, no_tf32
 
 CASES = ["equal shares", "batchnorm", "uneven batches", "padded duplicates",
          "dropout, seed+rank", "dropout, same seed"]  # fmt: skip
@@ -59,11 +59,11 @@ def shares(case: str, ctx: DistContext, b: int, steps: int) -> tuple[list, list,
     return [g[start : start + sizes[r]] for g in glob], glob, size
 
 
-def sgd_steps(model: nn.Module, data, batches: list, lr: float) -> None:
+def sgd_steps(model: nn.Module, data, batches: list, lr: float, ctx: DistContext) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     model.train()
     for idx in batches:
-        x, y = data.tensors[0][idx], data.tensors[1][idx]
+        x, y = data.tensors[0][idx].to(ctx.device), data.tensors[1][idx].to(ctx.device)
         optimizer.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         optimizer.step()
@@ -73,15 +73,18 @@ def run_case(case: str, ctx: DistContext, b: int, steps: int, lr: float, seed: i
     mine, glob, size = shares(case, ctx, b, steps)
     data = synthetic_classification(size, (FEATURES,), num_classes=CLASSES, seed=seed)
     torch.manual_seed(seed)  # the same initialisation everywhere
-    model, initial = make_model(case), make_model(case)
+    model = make_model(case).to(ctx.device)
+    initial = make_model(case).to(ctx.device)
     initial.load_state_dict(model.state_dict())
-    reference = make_model(case)
+    reference = make_model(case).to(ctx.device)
     reference.load_state_dict(model.state_dict())
-    ddp = DDP(model) if ctx.is_distributed else model
+    ddp = model
+    if ctx.is_distributed:
+        ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
     torch.manual_seed(seed + (ctx.rank if case == "dropout, seed+rank" else 0))
-    sgd_steps(ddp, data, mine, lr)
+    sgd_steps(ddp, data, mine, lr, ctx)
     torch.manual_seed(seed)  # one process: its own dropout masks from the seed
-    sgd_steps(reference, data, glob, lr)
+    sgd_steps(reference, data, glob, lr, ctx)
     return {"gap": parameter_gap(reference, model), "moved": parameter_gap(reference, initial),
             "rank_samples": sum(map(len, mine)), "global_samples": sum(map(len, glob))}  # fmt: skip
 
@@ -94,7 +97,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="the same on every rank")
     parser.add_argument("--results", help="rank 0 writes a JSON summary here")
     args = parser.parse_args()
-    with distributed(device="cpu") as ctx:  # tiny models: the CPU is enough
+    no_tf32()  # full float32 on a GPU: "equal shares" is compared to float rounding
+    with distributed() as ctx:  # the launcher's device plan: a GPU per rank, or the CPU
         if args.batch_size < ctx.world_size:
             parser.error(f"--batch-size must be at least the world size {ctx.world_size}")
         log = get_logger(ctx)

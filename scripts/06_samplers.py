@@ -10,7 +10,8 @@ seed gives every rank the same permutation. Each rank records the indices
 it reads, without and with set_epoch; evaluates the test digits through a
 padded DistributedSampler and with ddp_course.engine.evaluate; and records
 what its random number generators draw under two seeding schemes. Rank 0
-gathers it all (all_gather_object) and writes it to --results.
+gathers it all (all_gather_object) and writes it to --results. TF32 is off
+(ddp_course.runtime.no_tf32), so a GPU evaluates in full float32.
 """
 
 import argparse
@@ -25,7 +26,7 @@ from ddp_course.checkpoint import load_checkpoint
 from ddp_course.data import load_mnist
 from ddp_course.engine import evaluate, write_results
 from ddp_course.models import SmallCNN
-from ddp_course.runtime import DistContext, distributed, get_logger, seed_everything
+from ddp_course.runtime import DistContext, distributed, get_logger, no_tf32, seed_everything
 
 
 def parse_args():
@@ -89,7 +90,7 @@ def seeding(ctx: DistContext, seed: int) -> dict:
         return float(sum(p.detach().double().sum() for p in model.parameters()))
 
     seed_everything(seed)  # right: the same seed on every rank for the model
-    same = init_checksum(SmallCNN())
+    same = init_checksum(SmallCNN().to(ctx.device))
     seed_everything(seed + ctx.rank)  # wrong for the model
     model = SmallCNN().to(ctx.device)
     per_rank = init_checksum(model)
@@ -111,6 +112,7 @@ def seeding(ctx: DistContext, seed: int) -> dict:
 
 def main() -> None:
     args = parse_args()
+    no_tf32()  # full float32 on a GPU: evaluations are compared with one process's
     with distributed() as ctx:
         log = get_logger(ctx)
         indices = gather(ctx, sampler_indices(ctx, args.dataset_size, args.epochs, args.seed))
@@ -143,6 +145,7 @@ def main() -> None:
             args.results,
             {
                 "world_size": ctx.world_size,
+                "device": str(ctx.device),
                 "dataset_size": args.dataset_size,
                 "epochs": args.epochs,
                 "seed": args.seed,

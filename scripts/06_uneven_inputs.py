@@ -7,15 +7,22 @@
 Rank r trains on `batches + r * extra` batches, as when each rank reads a
 shard of its own and the shards differ in size. DDP's backward pass is a
 collective (an all-reduce of the gradients): once the rank with fewer
-batches leaves the loop and calls another collective, its peer's
-all-reduce and that collective wait for each other forever. --timeout turns
-the wait into an error. Under Join, a rank that ran out of data shadows the
+batches leaves the loop, its peer's all-reduce waits for it forever, while
+it waits for its peer to finish. It waits through torchrun's key-value
+store, not with a collective: a barrier or an all-reduce here would meet the
+peer's gradient all-reduce, a collective of another size, which gloo lets
+time out and nccl leaves undefined. --timeout turns the wait into an error:
+gloo raises it in the waiting call, nccl's watchdog reports it and takes the
+process down. Under Join, a rank that ran out of data shadows the
 others' all-reduces with zeros until every rank is done, then the final
 model is broadcast from the last rank to finish (RFC pytorch#38174;
 https://pytorch.org/tutorials/advanced/generic_join.html).
 """
 
 import argparse
+import contextlib
+import datetime
+import os
 
 import torch
 import torch.distributed as dist
@@ -27,7 +34,27 @@ from torch.utils.data import DataLoader, Subset
 from ddp_course.data import synthetic_classification
 from ddp_course.engine import write_results
 from ddp_course.models import MLP
-from ddp_course.runtime import barrier, distributed, get_logger, seed_everything
+from ddp_course.runtime import (
+    DistContext,
+    attempt_prefix,
+    distributed,
+    get_logger,
+    seed_everything,
+)
+
+
+def wait_for_every_rank(ctx: DistContext, timeout_s: float) -> None:
+    """Return once every rank has called this, or raise ``DistStoreError`` after
+    ``timeout_s`` seconds. Counts the ranks in torchrun's store
+    (``MASTER_ADDR:MASTER_PORT``), a key-value server: no collective, so it
+    cannot be mistaken for a peer's gradient all-reduce."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    store = dist.TCPStore(address, port, is_master=False, timeout=timeout)
+    key = f"{attempt_prefix()}/06_uneven_inputs/finished"
+    if store.add(key, 1) == ctx.world_size:  # the last rank to finish
+        store.set(key + "/all", "yes")
+    store.wait([key + "/all"])
 
 
 def main() -> None:
@@ -56,7 +83,9 @@ def main() -> None:
 
         steps = 0
         # NEW: Join makes a rank that ran out of data answer its peers' all-reduces.
-        with Join([model], enable=args.join and ctx.is_distributed):
+        # (One process has no DDP model to join, and nothing to wait for.)
+        join = Join([model], enable=args.join) if ctx.is_distributed else contextlib.nullcontext()
+        with join:
             for x, y in DataLoader(shard, batch_size=args.batch_size):
                 x, y = x.to(ctx.device), y.to(ctx.device)
                 optimizer.zero_grad(set_to_none=True)
@@ -64,9 +93,14 @@ def main() -> None:
                 optimizer.step()
                 steps += 1
         log.warning(f"left the training loop after {steps} steps")
-        # Any collective after the loop (a checkpoint's barrier, evaluation's
-        # all-reduce) meets the ranks that are still in backward's all-reduce.
-        barrier(ctx)
+        if ctx.device.type == "cuda":
+            # nccl's calls return before the GPU has done the work: wait for it
+            # here, so that a rank whose all-reduce is stuck stops here.
+            torch.cuda.synchronize(ctx.device)
+        log.warning(f"finished its {steps} steps")
+        if ctx.is_distributed:
+            # Three timeouts: a peer stuck in an all-reduce times out first.
+            wait_for_every_rank(ctx, 3 * args.timeout)
 
         checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
         per_rank = [None] * ctx.world_size if ctx.is_distributed else [None]

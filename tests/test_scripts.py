@@ -1,5 +1,6 @@
-"""The lesson scripts of 00 and 05 where the notebooks do not run them: as plain python,
-and a failing rank named. Notebooks 00, 01 and 05 assert their torchrun and python runs."""
+"""The lesson scripts of 00, 05 and 06 where the notebooks do not run them: as plain
+python, and a failing rank named. Notebooks 00, 01, 05 and 06 assert their torchrun and
+python runs."""
 
 import pytest
 
@@ -18,8 +19,11 @@ def test_fail_on_rank_names_the_rank(root):
 
 
 def test_train_ddp_as_plain_python(root):
-    job = launch.python(root / "scripts/05_train_ddp.py", TINY, results=True, echo=False)
+    # In float64, as notebook 05's equivalence check runs it (float32: the training run).
+    args = [*TINY, "--float64"]
+    job = launch.python(root / "scripts/05_train_ddp.py", args, results=True, echo=False)
     assert job.results["world_size"] == 1 and job.results["backend"] is None
+    assert job.results["dtype"] == "torch.float64"
 
 
 def test_what_breaks_as_plain_python(root):
@@ -32,3 +36,10 @@ def test_launcher_probe_as_python(root):
     # Under torchrun, notebook 05 asserts what it reports.
     alone = launch.python(root / "scripts/05_local_rank.py", results=True, echo=False)
     assert alone.results["variables"] == [] and alone.results["local_rank"] is None
+
+
+def test_uneven_inputs_as_plain_python(root):
+    # One rank: nothing is uneven and nothing waits (no store, no collective).
+    job = launch.python(root / "scripts/06_uneven_inputs.py", results=True, echo=False)
+    assert job.results["ranks"] == [{"steps": 4, "checksum": job.results["ranks"][0]["checksum"]}]
+    assert "finished its 4 steps" in job.output
