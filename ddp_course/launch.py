@@ -64,6 +64,7 @@ __all__ = [
     "LaunchTimeout",
     "free_port",
     "is_timeout",
+    "planned_env",
     "loopback_interface",
     "python",
     "torchrun",
@@ -557,7 +558,7 @@ def torchrun(
     path = _check_script(script)
     if nproc < 1:
         raise ValueError(f"nproc must be at least 1, not {nproc}")
-    env, prefix = _planned_env(env, nproc, gpus)
+    env, prefix = planned_env(env, nproc, gpus)
     single_node = not _is_multi_node(extra_torchrun_args)
     loopback = loopback_interface() if single_node else None
     if loopback is not None:
@@ -624,7 +625,7 @@ def python(
     path = _check_script(script)
     if reference_for < 1:
         raise ValueError(f"reference_for must be at least 1, not {reference_for}")
-    env, prefix = _planned_env(env, reference_for, gpus)
+    env, prefix = planned_env(env, reference_for, gpus)
     with tempfile.TemporaryDirectory(prefix="ddp_course_") as tmp:
         results_path = pathlib.Path(tmp, "results.json") if results else None
         cmd = [sys.executable, str(path.resolve()), *args]
@@ -634,11 +635,22 @@ def python(
         return _run_job(cmd, path, 1, timeout_s, env, echo, None, results_path, shown)
 
 
-def _planned_env(
+def planned_env(
     env: Mapping[str, str] | None, nproc: int, gpus: int | None
 ) -> tuple[dict[str, str], str]:
-    """``env`` with the device plan of ``nproc`` ranks in ``DDP_COURSE_DEVICE``
-    (unless set already), and the prefix of the command line shown."""
+    """The environment of a job of ``nproc`` ranks, with the device plan in it.
+
+    What :func:`torchrun` and :func:`python` pass to their processes: ``env``
+    plus ``DDP_COURSE_DEVICE`` set to the plan's device type
+    (:func:`ddp_course.runtime.device_plan` for ``nproc`` ranks on ``gpus``
+    GPUs, default :func:`ddp_course.runtime.gpu_count`), unless ``env`` or
+    this process's environment sets it already. On a fallback (GPUs, but
+    fewer than ranks) it prints the plan's reason.
+
+    Returns:
+        ``(env, prefix)``: the new mapping, and ``"DDP_COURSE_DEVICE=cpu "``
+        to show in front of the command line on a fallback, else ``""``.
+    """
     env = dict(env or {})
     if DEVICE_ENV in env or DEVICE_ENV in os.environ:
         return env, ""

@@ -243,12 +243,12 @@ def test_reference_and_job_get_the_same_device_type(monkeypatch, nproc, gpus):
     for name in (runtime.DEVICE_ENV,):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(runtime, "gpu_count", lambda: gpus)
-    ref_env, _ = launch._planned_env(None, nproc, None)
-    job_env, _ = launch._planned_env(None, nproc, gpus)
+    ref_env, _ = launch.planned_env(None, nproc, None)
+    job_env, _ = launch.planned_env(None, nproc, gpus)
     assert ref_env[runtime.DEVICE_ENV] == job_env[runtime.DEVICE_ENV]
     assert ref_env[runtime.DEVICE_ENV] == ("cuda" if 0 < nproc <= gpus else "cpu")
     # A plain run (reference_for=1) uses a GPU whenever there is one.
-    plain, _ = launch._planned_env(None, 1, None)
+    plain, _ = launch.planned_env(None, 1, None)
     assert plain[runtime.DEVICE_ENV] == ("cuda" if gpus else "cpu")
 
 
