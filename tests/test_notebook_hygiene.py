@@ -25,6 +25,8 @@ MACHINE_PATH = re.compile(r"(?<![\w.~/-])(/(?:work|tmp|home|root|Users)(?=[/\s'\
 # tqdm's text: "desc:  97%|█████████▋| 61/63 [...]"
 TQDM = re.compile(r"(\d{1,3})%\|[^|]*\|\s*(\d+)/(\d+)")
 USAGE = re.compile(r"^usage: ", re.M)
+# The launcher's "still running" lines are for a person waiting; `execute` turns them off.
+HEARTBEAT = re.compile(r"^\s*\.\.\. \S+ still running, \d+ s$", re.M)
 INTERNAL = re.compile(
     r"pitfall\s*\d+|performance goal|seed material|source article|work order|issue\s*#",
     re.I,
@@ -107,6 +109,8 @@ def problems(nb: dict) -> list[str]:
                     found.append(f"{where}: machine path {match.group(0)!r} in ...{line}...")
                 if USAGE.search(text):
                     found.append(f"{where}: an argparse usage block in the output")
+                if HEARTBEAT.search(text):
+                    found.append(f"{where}: a launcher heartbeat line in the output")
             if WIDGET_VIEW in output.get("data", {}):
                 bars = _stuck_widget_bars(output, states)
             else:
@@ -212,6 +216,8 @@ def _set_output(cell: int, text: str, name: str = "stdout"):
          "progress bar stored below 100%"),
         (_set_output(2, "usage: 05_train_ddp.py [-h] [--epochs N]\nerror: bad\n", "stderr"),
          "argparse usage block"),
+        (_set_output(2, "$ torchrun x.py\n  ... x.py still running, 10 s\nx.py done\n"),
+         "heartbeat line"),
         (lambda nb: nb["cells"][1]["outputs"].append(
             {"output_type": "error", "ename": "ValueError", "evalue": "", "traceback": []}),
          "error output ValueError"),
