@@ -152,7 +152,10 @@ def train(ctx: DistContext, args: argparse.Namespace) -> None:
     if args.snapshot and os.path.exists(args.snapshot):
         snap = load_checkpoint(args.snapshot, model, optimizer, map_location=ctx.device)
         epoch, step = snap["epoch"], snap["step"]
-        loss_sum, seen, world_sizes = snap["loss_sum"], snap["samples"], list(snap["world_sizes"])
+        world_sizes = list(snap["world_sizes"])
+        # The snapshot holds the job's running sums: rank 0 carries them on, the other
+        # ranks start from zero, so the epoch's all-reduce counts every sample once.
+        loss_sum, seen = (snap["loss_sum"], snap["samples"]) if ctx.is_main else (0.0, 0)
         restore_rng_states(snap["rng"])
         if snap["world_size"] != ctx.world_size and step > 0:
             # Another world size shards the epoch differently: redo it whole.
@@ -165,8 +168,12 @@ def train(ctx: DistContext, args: argparse.Namespace) -> None:
 
     def snapshot(next_epoch: int, next_step: int) -> None:
         if args.snapshot:
+            # Every rank's running loss, not only the saving rank's (nccl: on the GPU).
+            sums = torch.tensor([loss_sum, seen], dtype=torch.float64, device=ctx.device)
+            if ctx.is_distributed:
+                dist.all_reduce(sums)
             save_checkpoint(ctx, args.snapshot, model, optimizer, epoch=next_epoch,
-                            step=next_step, loss_sum=loss_sum, samples=seen,
+                            step=next_step, loss_sum=sums[0].item(), samples=int(sums[1]),
                             sampler_epoch=sampler.epoch, world_size=ctx.world_size,
                             world_sizes=world_sizes, rng=rng_states())  # fmt: skip
 
