@@ -79,9 +79,8 @@ def _run_in_terminal(ws_url: str, line: str, marker: str, timeout_s: float = 30)
     return ioloop.IOLoop.current().run_sync(talk, timeout=timeout_s + 5)
 
 
-@pytest.fixture
-def lab_server(root, tmp_path):
-    """A running `python -m ddp_course lab` on a free port; (url, token)."""
+def _start_lab(tmp_path, stdout=subprocess.PIPE):
+    """`python -m ddp_course lab` on a free port, once it answers; (process, url, token)."""
     port, token = _free_port(), secrets.token_hex(16)
     env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"))
     # As from a shell where the environment is not activated: the command must add it.
@@ -91,20 +90,27 @@ def lab_server(root, tmp_path):
     process = subprocess.Popen(
         [sys.executable, "-m", "ddp_course", "lab", "--no-browser", f"--port={port}",
          "--ip=127.0.0.1", f"--IdentityProvider.token={token}"],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=tmp_path, env=env, stdout=stdout, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            _api(f"{url}/api/status", token)
+            return process, url, token
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                output = process.communicate()[0] or ""
+                pytest.fail("JupyterLab did not start:\n" + output)
+            time.sleep(0.5)
+
+
+@pytest.fixture
+def lab_server(root, tmp_path):
+    """A running `python -m ddp_course lab` on a free port; (url, token)."""
+    process, url, token = _start_lab(tmp_path)
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                _api(f"{url}/api/status", token)
-                break
-            except OSError:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    process.kill()
-                    pytest.fail("JupyterLab did not start:\n" + process.communicate()[0])
-                time.sleep(0.5)
         yield url, token
     finally:
         if process.poll() is None:
@@ -147,24 +153,8 @@ def test_the_course_lab_asks_no_news_question(lab_server):
 
 def test_sigterm_stops_jupyterlab_itself(root, tmp_path):
     # `python -m ddp_course lab` becomes JupyterLab, so the signal reaches the server.
-    port, token = _free_port(), secrets.token_hex(16)
-    env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
-               JUPYTER_CONFIG_DIR=str(tmp_path / "config"))  # fmt: skip
-    process = subprocess.Popen(
-        [sys.executable, "-m", "ddp_course", "lab", "--no-browser", f"--port={port}",
-         "--ip=127.0.0.1", f"--IdentityProvider.token={token}"],
-        cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
+    process, url, token = _start_lab(tmp_path, stdout=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                _api(f"{url}/api/status", token)
-                break
-            except OSError:
-                assert process.poll() is None and time.monotonic() < deadline, "no server"
-                time.sleep(0.5)
         process.terminate()
         process.wait(timeout=30)
         with pytest.raises(OSError):

@@ -6,26 +6,16 @@ GPU: the tests below run those notebook cells themselves against records of the 
 1-GPU, 2-GPU or CPU machine produces, with ``runtime.gpu_count`` patched.
 """
 
-import json
-import pathlib
-
 import pytest
+from notebook_cells import code_cell
 
 import ddp_course.runtime
 from ddp_course import launch, runtime
 
-NOTEBOOK = pathlib.Path(__file__).resolve().parent.parent / "notebooks" / "03_collectives.ipynb"
-
 
 def notebook_cell(first_line: str) -> str:
     """The source of notebook 03's one code cell that starts with ``first_line``."""
-    found = [
-        "".join(c["source"])
-        for c in json.loads(NOTEBOOK.read_text())["cells"]
-        if c["cell_type"] == "code" and "".join(c["source"]).startswith(first_line)
-    ]
-    assert len(found) == 1, f"{len(found)} cells start with {first_line!r}"
-    return found[0]
+    return code_cell("03_collectives.ipynb", first_line)
 
 
 def test_process_groups_as_plain_python(root):

@@ -12,23 +12,16 @@ import pathlib
 import types
 
 import pytest
+from notebook_cells import code_cell
 
 import ddp_course.runtime
 from ddp_course import comm_cost, launch, runtime
 from ddp_course.comm_cost import link_label, sweep_device_plan
 
-NOTEBOOK = pathlib.Path(__file__).resolve().parent.parent / "notebooks" / "04_allreduce.ipynb"
-
 
 def notebook_cell(first_line: str) -> str:
     """The source of notebook 04's one code cell that starts with ``first_line``."""
-    found = [
-        "".join(c["source"])
-        for c in json.loads(NOTEBOOK.read_text())["cells"]
-        if c["cell_type"] == "code" and "".join(c["source"]).startswith(first_line)
-    ]
-    assert len(found) == 1, f"{len(found)} cells start with {first_line!r}"
-    return found[0]
+    return code_cell("04_allreduce.ipynb", first_line)
 
 
 @pytest.mark.parametrize(
