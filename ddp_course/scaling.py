@@ -229,14 +229,18 @@ def comm_can_overlap(device_type: str, world_size: int, threads_per_rank: int, c
     Raises:
         ValueError: a count below 1.
     """
+    _check_counts(world_size, threads_per_rank, cpus)
+    if device_type == "cuda":
+        return True
+    return world_size * threads_per_rank < cpus
+
+
+def _check_counts(world_size: int, threads_per_rank: int, cpus: int) -> None:
     if min(world_size, threads_per_rank, cpus) < 1:
         raise ValueError(
             f"need world_size, threads_per_rank and cpus >= 1, got "
             f"{world_size}, {threads_per_rank}, {cpus}"
         )
-    if device_type == "cuda":
-        return True
-    return world_size * threads_per_rank < cpus
 
 
 def compute_slowdown(device_type: str, world_size: int, threads_per_rank: int, cpus: int) -> float:
@@ -261,11 +265,7 @@ def compute_slowdown(device_type: str, world_size: int, threads_per_rank: int, c
     Raises:
         ValueError: a count below 1.
     """
-    if min(world_size, threads_per_rank, cpus) < 1:
-        raise ValueError(
-            f"need world_size, threads_per_rank and cpus >= 1, got "
-            f"{world_size}, {threads_per_rank}, {cpus}"
-        )
+    _check_counts(world_size, threads_per_rank, cpus)
     if device_type == "cuda":
         return 1.0
     return max(1.0, world_size * threads_per_rank / cpus)
