@@ -81,7 +81,10 @@ def test_every_one_process_reference_names_the_job_it_is_compared_with(lesson):
         keywords = {k.arg: k.value for k in call.keywords}
         assert "reference_for" in keywords, ast.unparse(call)
         value = keywords["reference_for"]
-        assert not isinstance(value, ast.Constant), (
+        # A literal rank count drifts from the notebook's NPROC. Only 1 may be written
+        # out: a plain one-device run (lesson 01's baseline in exercise 5), whose place
+        # the recorded short_run and the 06 pairing tests check for the references.
+        assert not isinstance(value, ast.Constant) or value.value == 1, (
             f"reference_for should name the job's ranks: {ast.unparse(call)}"
         )
 
