@@ -525,7 +525,8 @@ def test_the_allow_lists_name_existing_distributed_scripts():
 
 # The lesson 07 scripts as they were before models and batches went through
 # ctx.device (abridged from the repository's history): nccl got CPU tensors.
-OLD_STYLE = """
+# What both versions share: imports and a model class.
+HEADER = """
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -538,7 +539,11 @@ class TwoHeads(nn.Module):
     def __init__(self):
         super().__init__()
         self.body = nn.Linear(784, 64)
+"""
 
+OLD_STYLE = (
+    HEADER
+    + """
 
 def batch(ctx, b, seed):
     gen = torch.Generator().manual_seed(seed)
@@ -554,21 +559,11 @@ def main():
         mlp = DDP(MLP(784, 128, 2))
         mlp(images[:4])
 """
+)
 
-FIXED_STYLE = """
-import torch
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
-from ddp_course.data import load_mnist
-from ddp_course.models import LayerStack, MLP
-from ddp_course.runtime import distributed
-
-
-class TwoHeads(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.body = nn.Linear(784, 64)
-
+FIXED_STYLE = (
+    HEADER
+    + """
 
 def batch(ctx, b, seed):
     gen = torch.Generator().manual_seed(seed)
@@ -586,6 +581,7 @@ def main():
         mlp = DDP(MLP(784, 128, 2, device=ctx.device))
         mlp(images[:4].to(ctx.device))
 """
+)
 
 
 def test_old_style_source_is_flagged():
