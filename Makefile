@@ -4,7 +4,7 @@
 # make lab     JupyterLab at the repository root (terminals there, .venv/bin first on PATH)
 # make site    the executed notebooks as a website in build/site (nothing is re-run)
 # make slurm-test  scripts/11_train.sbatch on a one-node Slurm started here (root; apt-get)
-# make gpu-check   on a GPU machine: tests/test_gpu.py and every notebook on the GPUs, a summary
+# make gpu-check   on a GPU machine: tests/gpu/test_gpu.py and every notebook on the GPUs, a summary
 #                  in benchmarks/gpu-<GPU name>/ and a pass/fail table (at most 10 minutes)
 PYTHON ?= python3
 VENV ?= .venv
@@ -43,7 +43,7 @@ site: $(STAMP)
 	$(PY) docs/build_site.py --out build/site
 
 slurm-test: $(STAMP)
-	$(PY) -m pytest tests/test_slurm.py -v -ra
+	$(PY) -m pytest tests/harness/test_slurm.py -v -ra
 
 gpu-check: $(STAMP)
 	$(PY) -m ddp_course gpu-check

@@ -52,7 +52,7 @@ def unwrap(model: nn.Module) -> nn.Module:
     """The model inside data-parallel and compile wrappers (or the model itself).
 
     A wrapper is any module that keeps the wrapped model as ``.module``
-    (``nn.DataParallel``, DDP, the course's own ``parallel.DataParallel``) or
+    (``nn.DataParallel``, DDP, the course's own ``data_parallel.DataParallel``) or
     as ``._orig_mod`` (``torch.compile``), nested in any order.
     """
     while True:

@@ -23,7 +23,7 @@ tensors) and nccl (CUDA tensors). Without a process group (a plain
 ``python script.py``) the world size is 1 and the functions return at once.
 
 The bytes each rank should move are in ``ddp_course.comm_cost``; the
-simulation of asynchronous parameter-server SGD is in ``ddp_course.async_sgd``.
+simulation of asynchronous parameter-server SGD is in ``ddp_course.parameter_server``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .comm_cost import CommStats, check_rank, chunk_bounds
+from .comm_cost import CommStats
+from .partition import check_rank, partition
 
 __all__ = [
     "OPS",
@@ -221,7 +222,7 @@ def ring_reduce_scatter(
 ) -> tuple[torch.Tensor, CommStats]:
     """Ring reduce-scatter: rank r ends with chunk r reduced over all ranks.
 
-    The flat tensor is cut by :func:`ddp_course.comm_cost.chunk_bounds`. In step s = 0..N-2, rank
+    The flat tensor is cut by :func:`ddp_course.partition.partition`. In step s = 0..N-2, rank
     r sends chunk (r-s-1) mod N to rank r+1 and receives chunk (r-s-2) mod N
     from rank r-1, which it combines into its own copy; after N-1 steps its
     chunk r holds the contributions of all N ranks (:func:`ring_schedule`;
@@ -252,7 +253,7 @@ def ring_reduce_scatter(
     """
     flat = _check_tensor(tensor, op)
     rank, size = _rank_and_size(group)
-    bounds = chunk_bounds(flat.numel(), size)
+    bounds = partition(flat.numel(), size)
     ex = _Exchanger(group, segment_bytes)
     if size > 1:
         buf = _scratch(flat, bounds[0][1] - bounds[0][0], scratch)
@@ -279,7 +280,7 @@ def ring_all_gather(
     """Ring all-gather in place: every rank ends with every rank's chunk.
 
     Rank r's own data must already sit in chunk r of ``tensor.view(-1)``
-    (:func:`ddp_course.comm_cost.chunk_bounds`); the other chunks are overwritten. In step
+    (:func:`ddp_course.partition.partition`); the other chunks are overwritten. In step
     s = 0..N-2 rank r sends chunk (r-s) mod N to rank r+1 and receives
     chunk (r-s-1) mod N from rank r-1 straight into place.
 
@@ -296,7 +297,7 @@ def ring_all_gather(
     """
     flat = _check_tensor(tensor)
     rank, size = _rank_and_size(group)
-    bounds = chunk_bounds(flat.numel(), size)
+    bounds = partition(flat.numel(), size)
     ex = _Exchanger(group, segment_bytes)
     right, left = (rank + 1) % size, (rank - 1) % size
     for step in ring_schedule(size, "all_gather"):

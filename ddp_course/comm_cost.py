@@ -13,8 +13,8 @@ How many bytes each rank sends and receives, and in how many rounds, when
 
 The algorithms count what they actually pass to ``isend``/``irecv`` into a
 :class:`CommStats`; the functions here give what the formulas expect, so a
-test can compare the two. The chunking (:func:`chunk_bounds`) lives here
-because it decides which bytes each rank owns.
+test can compare the two. Which bytes each rank owns is
+:func:`ddp_course.partition.partition`'s ``"split"`` style.
 
 A cost model fitted to timings describes one link. :func:`sweep_device_plan`
 puts every world size of a sweep on the same device and backend, and
@@ -27,11 +27,10 @@ import dataclasses
 from collections.abc import Sequence
 
 from . import runtime
+from .partition import check_rank, partition
 
 __all__ = [
     "CommStats",
-    "check_rank",
-    "chunk_bounds",
     "link_label",
     "parameter_server_bytes",
     "ring_bytes",
@@ -70,35 +69,6 @@ class CommStats:
         return self.bytes_sent + self.bytes_received
 
 
-def chunk_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
-    """Where each rank's chunk of a flat tensor starts and stops.
-
-    The first ``numel % world_size`` chunks get one element more, as in
-    ``torch.tensor_split``; when ``numel < world_size`` some chunks are empty.
-
-    Args:
-        numel: number of elements, >= 0.
-        world_size: number of chunks, >= 1.
-
-    Returns:
-        ``[(start, stop), ...]`` of length ``world_size``, element offsets.
-
-    Raises:
-        ValueError: if ``numel < 0`` or ``world_size < 1``.
-    """
-    if numel < 0:
-        raise ValueError(f"numel must be >= 0, not {numel}")
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, not {world_size}")
-    base, extra = divmod(numel, world_size)
-    bounds, start = [], 0
-    for i in range(world_size):
-        stop = start + base + (1 if i < extra else 0)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
-
-
 def ring_bytes(numel: int, element_size: int, world_size: int, rank: int) -> CommStats:
     """The traffic :func:`ddp_course.collectives.ring_all_reduce` causes at ``rank``, in bytes.
 
@@ -127,7 +97,7 @@ def ring_bytes(numel: int, element_size: int, world_size: int, rank: int) -> Com
     _check_size(numel, element_size)
     if world_size == 1:
         return CommStats()
-    sizes = [stop - start for start, stop in chunk_bounds(numel, world_size)]
+    sizes = [stop - start for start, stop in partition(numel, world_size)]
     sent = 2 * numel - sizes[rank] - sizes[(rank + 1) % world_size]
     received = 2 * numel - sizes[rank - 1] - sizes[rank]
     return CommStats(sent * element_size, received * element_size, 2 * (world_size - 1))
@@ -162,14 +132,6 @@ def parameter_server_bytes(
         return CommStats()
     nbytes = numel * element_size * (world_size - 1 if rank == root else 1)
     return CommStats(nbytes, nbytes, 2)
-
-
-def check_rank(rank: int, world_size: int, name: str = "rank") -> None:
-    """Raise ValueError unless ``world_size >= 1`` and ``0 <= rank < world_size``."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, not {world_size}")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"{name} {rank} is not in [0, {world_size})")
 
 
 def _check_size(numel: int, element_size: int) -> None:

@@ -110,9 +110,9 @@ def _has_full(root: pathlib.Path) -> bool:
 # and an offline machine would pay the timeout each time; one answer per
 # process is enough.
 @functools.cache
-def _online(host: str = "ossci-datasets.s3.amazonaws.com", timeout_s: float = 2.0) -> bool:
-    # A quick probe, so an offline machine falls back at once instead of
-    # waiting on torchvision's mirrors one after the other.
+def online(host: str = "ossci-datasets.s3.amazonaws.com", timeout_s: float = 2.0) -> bool:
+    """A quick probe, so an offline machine falls back at once instead of waiting on
+    torchvision's mirrors one after the other."""
     try:
         socket.create_connection((host, 443), timeout=timeout_s).close()
         return True
@@ -158,7 +158,7 @@ def load_mnist(
         download = os.environ.get("DDP_COURSE_OFFLINE") != "1"
     split = "train" if train else "test"
     if source != "subset":
-        if not _has_full(root) and download and _online():
+        if not _has_full(root) and download and online():
             try:
                 datasets.MNIST(root, train=train, download=True)
             except (OSError, RuntimeError):
@@ -207,9 +207,9 @@ def synthetic_classification(
     return TensorDataset(x, y)
 
 
-def _write_idx(path: pathlib.Path, array: np.ndarray) -> None:
-    # The IDX format of https://yann.lecun.com/exdb/mnist/: magic 0x0000 08 nd,
-    # big-endian uint32 sizes, then unsigned bytes.
+def write_idx(path: pathlib.Path, array: np.ndarray) -> None:
+    """The IDX format of https://yann.lecun.com/exdb/mnist/: magic 0x0000 08 nd, big-endian
+    uint32 sizes, then unsigned bytes."""
     header = struct.pack(">HBB", 0, 0x08, array.ndim)
     header += struct.pack(">" + "I" * array.ndim, *array.shape)
     path.write_bytes(header + array.astype(np.uint8).tobytes())
@@ -246,8 +246,8 @@ def build_subset(
         if len(np.unique(labels)) != 10:
             raise ValueError(f"the {split} split misses a class; try another seed")
         images_file, labels_file = _FILES[split]
-        _write_idx(raw / images_file, rows[:, :-1].reshape(-1, 28, 28))
-        _write_idx(raw / labels_file, labels)
+        write_idx(raw / images_file, rows[:, :-1].reshape(-1, 28, 28))
+        write_idx(raw / labels_file, labels)
     return {split: len(rows) for split, rows in parts.items()}
 
 

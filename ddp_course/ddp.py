@@ -46,10 +46,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["BucketedDDP", "NaiveDDP", "average_gradients"]
+__all__ = [
+    "BucketedDDP",
+    "NaiveDDP",
+    "average_gradients",
+    "broadcast_state",
+    "check_same_shapes",
+    "require_group",
+]
 
 
-def _require_group(process_group: Any) -> Any:
+def require_group(process_group: Any) -> Any:
+    """The process group to use: ``process_group``, or the world when it is None.
+
+    Raises:
+        RuntimeError: if no process group exists (``init_process_group`` was
+            never called), with what to call first.
+    """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "no process group: call torch.distributed.init_process_group() first "
@@ -73,7 +86,7 @@ def average_gradients(model: nn.Module, group: Any = None) -> None:
     Raises:
         RuntimeError: if no process group exists.
     """
-    group = _require_group(group)
+    group = require_group(group)
     world_size = dist.get_world_size(group)
     for param in model.parameters():
         if param.grad is not None:
@@ -81,8 +94,9 @@ def average_gradients(model: nn.Module, group: Any = None) -> None:
             param.grad /= world_size
 
 
-def _check_same_shapes(module: nn.Module, group: Any) -> None:
-    """Raise on every rank if some rank's parameters differ in name, shape or dtype."""
+def check_same_shapes(module: nn.Module, group: Any) -> None:
+    """Raise ValueError on every rank if some rank's parameters differ in name, shape or
+    dtype (one ``all_gather_object``; every rank of ``group`` must call it)."""
     mine = [(name, tuple(p.shape), str(p.dtype)) for name, p in module.named_parameters()]
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
@@ -97,8 +111,9 @@ def _check_same_shapes(module: nn.Module, group: Any) -> None:
         )
 
 
-def _broadcast_state(module: nn.Module, group: Any) -> None:
-    """Copy rank 0's parameters and buffers to every rank (in place)."""
+def broadcast_state(module: nn.Module, group: Any) -> None:
+    """Copy the parameters and buffers of ``group``'s rank 0 to every rank, in place (one
+    broadcast per tensor; every rank of ``group`` must call it)."""
     src = dist.get_global_rank(group, 0)
     with torch.no_grad():
         for tensor in [*module.parameters(), *module.buffers()]:
@@ -139,11 +154,11 @@ class NaiveDDP(nn.Module):
 
     def __init__(self, module: nn.Module, process_group: Any = None):
         super().__init__()
-        self.process_group = _require_group(process_group)
+        self.process_group = require_group(process_group)
         self.world_size = dist.get_world_size(self.process_group)
         self.module = module
-        _check_same_shapes(module, self.process_group)
-        _broadcast_state(module, self.process_group)
+        check_same_shapes(module, self.process_group)
+        broadcast_state(module, self.process_group)
         self._names = {p: n for n, p in module.named_parameters() if p.requires_grad}
         self._handles: list[tuple[nn.Parameter, Any]] = []
         self._queued = False
@@ -280,7 +295,7 @@ class BucketedDDP(nn.Module):
         super().__init__()
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0 megabytes, got {bucket_cap_mb}")
-        self.process_group = _require_group(process_group)
+        self.process_group = require_group(process_group)
         self.world_size = dist.get_world_size(self.process_group)
         self.module = module
         self.broadcast_buffers = broadcast_buffers
@@ -289,8 +304,8 @@ class BucketedDDP(nn.Module):
         self.require_backward_grad_sync = True
         self._sync_buffers_next_forward = True
         self._sync_backward = True
-        _check_same_shapes(module, self.process_group)
-        _broadcast_state(module, self.process_group)
+        check_same_shapes(module, self.process_group)
+        broadcast_state(module, self.process_group)
         # named_parameters() yields a tied parameter once, under its first name.
         self._names = {p: n for n, p in module.named_parameters() if p.requires_grad}
         self.buckets = self._make_buckets(list(self._names)[::-1], bucket_cap_mb * 2**20)

@@ -18,19 +18,18 @@ import logging
 import os
 import random
 import sys
-import time
 from collections.abc import Iterator
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+from .harness import restarts
 
 __all__ = [
     "DEVICE_ENV",
     "DevicePlan",
     "DistContext",
-    "attempt_prefix",
     "barrier",
     "device_for_rank",
     "device_plan",
@@ -89,7 +88,7 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
 
 
-# Set by ddp_course.launch.torchrun for every worker: "cuda" or "cpu", the
+# Set by ddp_course.harness.launch.torchrun for every worker: "cuda" or "cpu", the
 # device type of the plan it chose (see device_plan). A learner may set it too,
 # e.g. DDP_COURSE_DEVICE=cpu torchrun --nproc_per_node=4 script.py on a 1-GPU box.
 DEVICE_ENV = "DDP_COURSE_DEVICE"
@@ -266,37 +265,6 @@ def pick_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def _attempt_store(timeout: datetime.timedelta | None) -> dist.Store | None:
-    # torchrun's agent hosts one store for the workers and keeps it, at the same
-    # MASTER_ADDR:MASTER_PORT, across restarts (TORCHELASTIC_USE_AGENT_STORE=True),
-    # while env:// assumes a fresh store each attempt and uses no prefix. The
-    # restarted ranks then may read the dead ranks' gloo addresses, still in the
-    # store, before the new ranks overwrite them, and fail with "Connection
-    # refused" or hang (plain torchrun --max-restarts=1: 9 of 15 restarts
-    # failed here). A prefix per attempt keeps each attempt's keys apart. The
-    # restart count stays the same when the workers restart because a node
-    # joined (elastic membership), so the world size is part of the prefix too.
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    client = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-        timeout=timeout or datetime.timedelta(minutes=5),
-    )  # fmt: skip
-    return dist.PrefixStore(attempt_prefix(), client)
-
-
-def attempt_prefix() -> str:
-    """The key prefix of this restart attempt in torchrun's agent store.
-
-    ``ddp_course/attempt_<TORCHELASTIC_RESTART_COUNT>_world_<WORLD_SIZE>``:
-    the same on every rank of one attempt, different from the attempts before
-    it, both after a failure (the count grows) and after a node joined or left
-    (the world size changes).
-    """
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return f"ddp_course/attempt_{attempt}_world_{os.environ.get('WORLD_SIZE', '1')}"
-
-
 @contextlib.contextmanager
 def distributed(
     backend: str | None = None,
@@ -317,7 +285,7 @@ def distributed(
         backend: ``"gloo"``, ``"nccl"`` or ``"mpi"``; default from the device.
         device: override the device (e.g. ``"cpu"`` to run gloo on a GPU box).
             ``None``: the plan of the launcher (``DDP_COURSE_DEVICE``, set by
-            :func:`ddp_course.launch.torchrun`) if any, else :func:`pick_device`.
+            :func:`ddp_course.harness.launch.torchrun`) if any, else :func:`pick_device`.
         timeout_s: collective timeout in seconds; a short one turns a hang
             (mismatched collectives, uneven inputs) into an error.
         group_of_one: as a plain ``python`` process, still create a process
@@ -358,7 +326,7 @@ def distributed(
             kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
         if name == "nccl":
             kwargs["device_id"] = dev
-        store = _attempt_store(kwargs.get("timeout"))
+        store = restarts.attempt_store(kwargs.get("timeout"))
         if store is not None:
             kwargs.update(store=store, rank=rank, world_size=world_size)
         dist.init_process_group(backend=name, **kwargs)
@@ -371,12 +339,7 @@ def distributed(
         yield ctx
     except Exception as exc:
         if in_launcher:
-            # When one rank fails, its peers fail soon after ("Connection
-            # closed by peer"). A time stamp in microseconds lets the
-            # launcher name the rank that failed first; torchrun's own error
-            # file (what @record writes) has whole seconds only.
-            print(f"[ddp_course] rank {rank} failed at t={time.time():.6f}", file=sys.stderr)
-            ErrorHandler().record_exception(exc)
+            restarts.report_failure(rank, exc)
         raise
     finally:
         if dist.is_initialized():

@@ -16,7 +16,8 @@ one kind of state more at each stage:
   just before its backward, and its gradients reduce-scattered.
 
 :func:`state_bytes_per_rank` gives the paper's memory per rank;
-:func:`shard_range` the piece of a flat tensor a rank owns; :class:`Zero`
+:func:`ddp_course.partition.partition` (``"padded"``) the piece of a flat tensor a
+rank owns; :class:`ZeRO`
 wraps a model and an optimizer class and trains at any stage;
 :func:`held_bytes` counts the state a rank holds and :class:`CollectiveBytes`
 the bytes torch's collectives received, to check the formulas and counters.
@@ -44,7 +45,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ddp_course.ddp import _broadcast_state, _check_same_shapes, _require_group
+from .ddp import broadcast_state, check_same_shapes, require_group
+from .partition import check_rank, partition
 
 # PyTorch 2.13 renamed all_gather_into_tensor and reduce_scatter_tensor (same
 # arguments); the course supports torch >= 2.11, which may have only the old names.
@@ -59,9 +61,8 @@ __all__ = [
     "CollectiveBytes",
     "CommLog",
     "StateBytes",
-    "Zero",
+    "ZeRO",
     "held_bytes",
-    "shard_range",
     "state_bytes_per_rank",
 ]
 
@@ -142,36 +143,6 @@ def state_bytes_per_rank(
     return StateBytes(*(b / world_size if s else float(b) for b, s in zip(full, sharded)))
 
 
-def shard_range(numel: int, rank: int, world_size: int) -> tuple[int, int]:
-    """The ``[start, end)`` of a flat tensor of ``numel`` elements that ``rank`` owns.
-
-    Every shard has ``s = ceil(numel / world_size)`` slots, so the collectives
-    see equal pieces of a buffer padded to ``s * world_size``; the padding
-    belongs to no one, so the last shards are shorter and, when
-    ``numel < world_size`` or the padding exceeds a shard, empty
-    (``start == end``). Concatenating the shards in rank order gives the tensor.
-
-    Args:
-        numel: elements of the flat tensor, >= 0.
-        rank: 0 <= rank < world_size.
-        world_size: number of ranks N, >= 1.
-
-    Returns:
-        ``(start, end)`` element offsets, ``0 <= start <= end <= numel``.
-
-    Raises:
-        ValueError: numel < 0, world_size < 1 or rank out of range.
-    """
-    if numel < 0:
-        raise ValueError(f"numel must be >= 0, not {numel}")
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, not {world_size}")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, {world_size}), not {rank}")
-    s = math.ceil(numel / world_size)
-    return min(rank * s, numel), min((rank + 1) * s, numel)
-
-
 @dataclasses.dataclass
 class CommLog:
     """Collectives one rank called, in the paper's units (section 7).
@@ -212,7 +183,7 @@ class CollectiveBytes(TorchDispatchMode):
     A counter that does not trust the code it checks: it sits in PyTorch's
     dispatcher (as ``torch.distributed.tensor.debug.CommDebugMode`` does), so
     it sees the ``c10d`` operations DDP's reducer, ``ZeroRedundancyOptimizer``,
-    FSDP2 and :class:`Zero` really call, from Python or C++, and reads the
+    FSDP2 and :class:`ZeRO` really call, from Python or C++, and reads the
     bytes off the tensors handed to them: padding included, no bookkeeping.
     Functional collectives (``_c10d_functional``, used by DTensor) are not seen.
 
@@ -287,7 +258,8 @@ class _Sharded:
         self.param = param
         self.numel = param.numel()
         self.shape = param.shape
-        self.start, self.end = shard_range(self.numel, rank, world_size)
+        check_rank(rank, world_size)
+        self.start, self.end = partition(self.numel, world_size, "padded")[rank]
         self.slot = math.ceil(self.numel / world_size)  # shard size in the padded buffer
         flat = param.detach().view(-1)[self.start : self.end]
         # Stages 1 and 2 step a view of the full parameter in place; stage 3
@@ -295,7 +267,7 @@ class _Sharded:
         self.shard = nn.Parameter(flat.clone() if own_storage else flat)
 
 
-class Zero(nn.Module):
+class ZeRO(nn.Module):
     """ZeRO stage 1, 2 or 3 data parallelism around ``module``, with its own optimizer.
 
     Like ``torch.distributed.optim.ZeroRedundancyOptimizer`` it takes the
@@ -303,7 +275,7 @@ class Zero(nn.Module):
     its state (Adam: momentum and variance) exists for 1/N of every
     parameter. The training loop is the usual one::
 
-        zero = Zero(model, torch.optim.Adam, stage=2, lr=1e-3)
+        zero = ZeRO(model, torch.optim.Adam, stage=2, lr=1e-3)
         loss_fn(zero(x), y).backward()
         zero.step()       # stage 1: reduce-scatter gradients; all stages: step the shards
         zero.zero_grad()
@@ -357,15 +329,15 @@ class Zero(nn.Module):
         super().__init__()
         if stage not in (1, 2, 3):
             raise ValueError(f"stage must be 1, 2 or 3 (stage 0 is plain DDP), not {stage}")
-        self.group = _require_group(group)
+        self.group = require_group(group)
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self.stage = stage
         self.module = module
         self.comm = CommLog()
         self.peak_gathered_bytes = 0
-        _check_same_shapes(module, self.group)
-        _broadcast_state(module, self.group)
+        check_same_shapes(module, self.group)
+        broadcast_state(module, self.group)
         self._shards = {
             p: _Sharded(p, self.rank, self.world_size, own_storage=stage == 3)
             for p in module.parameters()
@@ -496,21 +468,21 @@ class Zero(nn.Module):
 
 
 def held_bytes(
-    model: Zero | nn.Module, optimizer: torch.optim.Optimizer | None = None
+    model: ZeRO | nn.Module, optimizer: torch.optim.Optimizer | None = None
 ) -> StateBytes:
     """Bytes of parameters, gradients and optimizer state this rank holds right now.
 
     Counted from the tensors themselves, each storage once (a shard that is a
     view of the full parameter, or DDP's gradients viewed into its buckets,
     cost nothing more): the module's parameters and their ``.grad``, a
-    :class:`Zero`'s shards and their ``.grad``, and every tensor in the
+    :class:`ZeRO`'s shards and their ``.grad``, and every tensor in the
     optimizer's state (Adam's ``step`` counters included). A DTensor (FSDP2,
     ``torch.distributed.tensor``) counts its local shard only.
 
     Args:
-        model: a :class:`Zero`, or any module (e.g. DDP's ``.module``).
+        model: a :class:`ZeRO`, or any module (e.g. DDP's ``.module``).
         optimizer: the optimizer stepping ``model``'s parameters; required
-            unless ``model`` is a :class:`Zero` (which has its own).
+            unless ``model`` is a :class:`ZeRO` (which has its own).
 
     Returns:
         A :class:`StateBytes` in bytes, this rank only.
@@ -532,7 +504,7 @@ def held_bytes(
                     total += storage.nbytes()
         return total
 
-    if isinstance(model, Zero):
+    if isinstance(model, ZeRO):
         params = list(model.module.parameters()) + [s.shard for s in model._shards.values()]
         optimizer = model.optimizer
     elif optimizer is None:

@@ -24,8 +24,8 @@ Two *conjugate* operators place the communication (the paper's f and g):
 
 So a block costs one all-reduce of the block's output ``[B, d]`` in forward
 and one of its input gradient ``[B, d]`` in backward, whatever N is, while
-each rank stores and multiplies 1/N of the weights. :class:`ParallelMLP`
-builds the block from a whole :class:`MLP`, so a test can compare every
+each rank stores and multiplies 1/N of the weights. :class:`ParallelFeedForward`
+builds the block from a whole :class:`FeedForward`, so a test can compare every
 output and gradient with the single-process block.
 
 PyTorch ships the same split as ``ColwiseParallel`` / ``RowwiseParallel``
@@ -40,17 +40,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional
 
+from .partition import check_rank, partition
+
 __all__ = [
     "ColumnParallelLinear",
     "CopyToParallel",
-    "MLP",
-    "ParallelMLP",
+    "FeedForward",
+    "ParallelFeedForward",
     "ReduceFromParallel",
     "RowParallelLinear",
     "copy_to_parallel",
     "gather_shards",
     "reduce_from_parallel",
-    "shard_range",
 ]
 
 
@@ -151,42 +152,6 @@ def reduce_from_parallel(x: torch.Tensor, group: dist.ProcessGroup | None = None
     return ReduceFromParallel.apply(x, group)
 
 
-def shard_range(features: int, rank: int, world_size: int, what: str = "features") -> slice:
-    """The slice of ``features`` that ``rank`` owns when split evenly over ``world_size``.
-
-    Rank r owns ``[r * features/N, (r + 1) * features/N)``: contiguous,
-    rank 0 first, so concatenating the shards in rank order gives the whole.
-
-    Args:
-        features: number of features to split (e.g. an MLP's hidden size).
-        rank: 0 <= rank < world_size.
-        world_size: number of tensor-parallel ranks N, >= 1.
-        what: name of the dimension, for the error message.
-
-    Returns:
-        A ``slice`` of length features / N.
-
-    Raises:
-        ValueError: world_size < 1, rank out of range, or ``features`` not
-            divisible by ``world_size`` (uneven shards are not supported:
-            choose a hidden size that is a multiple of the number of ranks,
-            as Megatron-LM does).
-    """
-    if world_size < 1:
-        raise ValueError(f"world_size must be at least 1, got {world_size}")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-    if features % world_size:
-        raise ValueError(
-            f"{what}={features} is not divisible by the tensor-parallel world size "
-            f"{world_size}: every rank must own an equal shard; pick {what} a multiple of "
-            f"{world_size} (e.g. {-(-features // world_size) * world_size}) or another "
-            "number of ranks"
-        )
-    size = features // world_size
-    return slice(rank * size, (rank + 1) * size)
-
-
 def _check_group(rank: int, world_size: int, group: dist.ProcessGroup | None) -> None:
     if dist.is_available() and dist.is_initialized():
         actual = (dist.get_rank(group), dist.get_world_size(group))
@@ -200,7 +165,7 @@ def _check_group(rank: int, world_size: int, group: dist.ProcessGroup | None) ->
 class ColumnParallelLinear(nn.Module):
     """A linear layer whose output features are split over ranks (Megatron-LM's ``A``).
 
-    Rank r keeps rows ``shard_range(out_features, r, N)`` of the whole
+    Rank r keeps rows ``partition(out_features, N, "even")[r]`` of the whole
     layer's ``weight`` (shape ``[out/N, in]``) and the same slice of its
     bias. Forward applies f (:func:`copy_to_parallel`) to the replicated
     input, then its shard: input ``[*, in]``, output ``[*, out/N]``, this
@@ -227,7 +192,8 @@ class ColumnParallelLinear(nn.Module):
         group: dist.ProcessGroup | None = None,
     ):
         super().__init__()
-        rows = shard_range(full.out_features, rank, world_size, "out_features")
+        check_rank(rank, world_size)
+        rows = slice(*partition(full.out_features, world_size, "even", "out_features")[rank])
         _check_group(rank, world_size, group)
         self.in_features, self.out_features = full.in_features, full.out_features
         self.rank, self.world_size, self.group = rank, world_size, group
@@ -254,7 +220,7 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """A linear layer whose input features are split over ranks (Megatron-LM's ``B``).
 
-    Rank r keeps columns ``shard_range(in_features, r, N)`` of the whole
+    Rank r keeps columns ``partition(in_features, N, "even")[r]`` of the whole
     layer's ``weight`` (shape ``[out, in/N]``) and the whole bias. Forward
     takes this rank's slice of the input, ``[*, in/N]`` (the output of a
     :class:`ColumnParallelLinear`), computes a partial sum ``[*, out]``,
@@ -283,7 +249,8 @@ class RowParallelLinear(nn.Module):
         group: dist.ProcessGroup | None = None,
     ):
         super().__init__()
-        cols = shard_range(full.in_features, rank, world_size, "in_features")
+        check_rank(rank, world_size)
+        cols = slice(*partition(full.in_features, world_size, "even", "in_features")[rank])
         _check_group(rank, world_size, group)
         self.in_features, self.out_features = full.in_features, full.out_features
         self.rank, self.world_size, self.group = rank, world_size, group
@@ -308,12 +275,12 @@ class RowParallelLinear(nn.Module):
         )
 
 
-class MLP(nn.Module):
-    """The Transformer's MLP block on one process: ``fc2(act(fc1(x)))``.
+class FeedForward(nn.Module):
+    """The Transformer's feed-forward (MLP) block on one process: ``fc2(act(fc1(x)))``.
 
     Input ``float32 [*, d_model]``, hidden ``[*, hidden]`` (usually
     4 x d_model), output ``float32 [*, d_model]``. The single-process
-    reference that :class:`ParallelMLP` splits, and the module that
+    reference that :class:`ParallelFeedForward` splits, and the module that
     ``parallelize_module`` splits with the plan
     ``{"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}``.
 
@@ -335,8 +302,8 @@ class MLP(nn.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 
-class ParallelMLP(nn.Module):
-    """:class:`MLP` split over N ranks: column-parallel fc1, activation, row-parallel fc2.
+class ParallelFeedForward(nn.Module):
+    """:class:`FeedForward` split over N ranks: column-parallel fc1, activation, row-parallel fc2.
 
     Input ``[*, d_model]``, equal on every rank; output ``[*, d_model]``,
     equal on every rank and to the whole MLP's. Each rank holds
@@ -359,13 +326,13 @@ class ParallelMLP(nn.Module):
 
     def __init__(
         self,
-        mlp: MLP,
+        mlp: FeedForward,
         rank: int,
         world_size: int,
         group: dist.ProcessGroup | None = None,
     ):
         super().__init__()
-        shard_range(mlp.fc1.out_features, rank, world_size, "hidden")  # the error names it
+        partition(mlp.fc1.out_features, world_size, "even", "hidden")  # the error names it
         self.fc1 = ColumnParallelLinear(mlp.fc1, rank, world_size, group)
         self.act = mlp.act
         self.fc2 = RowParallelLinear(mlp.fc2, rank, world_size, group)

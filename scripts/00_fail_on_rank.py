@@ -3,7 +3,7 @@
     torchrun --nproc_per_node=2 scripts/00_fail_on_rank.py --rank 1
 
 The chosen rank raises; the others wait at a barrier and fail soon after
-("Connection closed by peer"). ddp_course.launch names the rank that failed
+("Connection closed by peer"). ddp_course.harness.launch names the rank that failed
 first and shows its traceback.
 """
 

@@ -9,7 +9,7 @@
 One process drives every replica, so there is nothing for torchrun to
 parallelise. Each replica gets a GPU of its own when there are enough GPUs
 (cuda:0 .. cuda:n-1), and the model goes into torch.nn.DataParallel;
-otherwise every replica runs as a CPU thread in ddp_course.parallel.DataParallel,
+otherwise every replica runs as a CPU thread in ddp_course.data_parallel.DataParallel,
 the same algorithm (torch's wrapper only calls the model on a CPU). A GPU is
 never shared by two replicas. --impl torch with too few GPUs stops with a
 message naming --impl scratch. The memory reported is the CUDA allocator's
@@ -24,13 +24,13 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ddp_course import parallel, runtime
+from ddp_course import data_parallel, runtime
 from ddp_course.checkpoint import load_checkpoint, save_checkpoint
 from ddp_course.data import load_mnist
-from ddp_course.engine import TrainConfig, evaluate, train_one_epoch, write_results
 from ddp_course.models import SmallCNN
-from ddp_course.monitor import memory_bytes
 from ddp_course.runtime import distributed, get_logger, seed_everything
+from ddp_course.tools.monitor import memory_bytes
+from ddp_course.training import TrainConfig, evaluate, train_one_epoch, write_results
 
 
 def parse_args():
@@ -59,7 +59,9 @@ def parse_args():
     return cfg, replicas, impl
 
 
-def replica_plan(impl: str, replicas: int | None, device: torch.device) -> parallel.ReplicaPlan:
+def replica_plan(
+    impl: str, replicas: int | None, device: torch.device
+) -> data_parallel.ReplicaPlan:
     """Implementation and devices: one GPU per replica, or CPU threads.
 
     ``device`` is where the launcher's plan puts this process; ``cpu`` there
@@ -68,15 +70,15 @@ def replica_plan(impl: str, replicas: int | None, device: torch.device) -> paral
     """
     gpus = runtime.gpu_count() if device.type == "cuda" else 0
     try:
-        return parallel.plan_replicas(impl, replicas, gpus)
+        return data_parallel.plan_replicas(impl, replicas, gpus)
     except ValueError as error:
         raise SystemExit(f"--impl {impl}: {error}") from None
 
 
-def wrap(model: nn.Module, plan: parallel.ReplicaPlan) -> nn.Module:
+def wrap(model: nn.Module, plan: data_parallel.ReplicaPlan) -> nn.Module:
     if plan.impl == "torch":
         return nn.DataParallel(model, device_ids=[d.index for d in plan.devices])
-    return parallel.DataParallel(model, devices=plan.devices)
+    return data_parallel.DataParallel(model, devices=plan.devices)
 
 
 def memory_used(devices: list[torch.device]) -> dict:
@@ -130,14 +132,14 @@ def main() -> None:
         def record(module, _inputs):
             if not module.training:
                 return
-            starts.append(parallel.clock(plan.devices))
+            starts.append(data_parallel.clock(plan.devices))
             # A training forward pass starts after the previous step's backward
             # pass, so module.timings then holds a whole step, "reduce" included.
             if "reduce" in getattr(module, "timings", {}):
                 steps.append(dict(module.timings))
 
         model.register_forward_pre_hook(record)
-        history, start = [], parallel.clock(plan.devices)
+        history, start = [], data_parallel.clock(plan.devices)
         for epoch in range(start_epoch, cfg.epochs):
             stats = train_one_epoch(
                 model, loader, optimizer, ctx, epoch, cfg.max_steps, cfg.progress
@@ -186,7 +188,7 @@ def main() -> None:
                 "step_wall_s": [b - a for a, b in zip(starts, starts[1:], strict=False)],
                 "test_accuracy": history[-1]["test_accuracy"] if history else None,
                 "memory": memory,
-                "wall_s": parallel.clock(plan.devices) - start,
+                "wall_s": data_parallel.clock(plan.devices) - start,
             },
         )
 

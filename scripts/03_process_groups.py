@@ -25,7 +25,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from ddp_course.launch import free_port
+from ddp_course.harness.ports import free_port
 from ddp_course.runtime import gpu_count, pick_device
 
 

@@ -26,11 +26,11 @@ import os
 import torch
 import torch.distributed as dist
 
-from ddp_course.bench import algbw, busbw, fit_alpha_beta, message_sizes, summarize, time_op
 from ddp_course.collectives import parameter_server_all_reduce, ring_all_reduce
 from ddp_course.comm_cost import parameter_server_bytes, ring_bytes
-from ddp_course.engine import write_results
 from ddp_course.runtime import distributed, get_logger
+from ddp_course.tools.bench import algbw, busbw, fit_alpha_beta, message_sizes, summarize, time_op
+from ddp_course.training import write_results
 
 BUSBW_OF = {"torch": "all_reduce", "ring": "all_reduce", "ps": "all_reduce",
             "send": "sendrecv", "exchange": "sendrecv"}  # fmt: skip

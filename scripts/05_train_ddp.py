@@ -29,7 +29,6 @@ from torch.utils.data.distributed import DistributedSampler  # NEW
 
 from ddp_course.checkpoint import load_checkpoint, save_checkpoint, unwrap
 from ddp_course.data import load_mnist
-from ddp_course.engine import TrainConfig, evaluate, train_one_epoch, write_results
 from ddp_course.models import SmallCNN
 from ddp_course.runtime import (
     DistContext,
@@ -39,6 +38,7 @@ from ddp_course.runtime import (
     rank0_first,
     seed_everything,
 )
+from ddp_course.training import TrainConfig, evaluate, train_one_epoch, write_results
 
 
 def allreduce_sum_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

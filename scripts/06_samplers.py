@@ -8,7 +8,7 @@
 Each rank builds its own DistributedSampler: no communication, the same
 seed gives every rank the same permutation. Each rank records the indices
 it reads, without and with set_epoch; evaluates the test digits through a
-padded DistributedSampler and with ddp_course.engine.evaluate; and records
+padded DistributedSampler and with ddp_course.training.evaluate; and records
 what its random number generators draw under two seeding schemes. Rank 0
 gathers it all (all_gather_object) and writes it to --results. TF32 is off
 (ddp_course.runtime.no_tf32), so a GPU evaluates in full float32.
@@ -24,9 +24,9 @@ from torchvision import transforms
 
 from ddp_course.checkpoint import load_checkpoint
 from ddp_course.data import load_mnist
-from ddp_course.engine import evaluate, write_results
 from ddp_course.models import SmallCNN
 from ddp_course.runtime import DistContext, distributed, get_logger, no_tf32, seed_everything
+from ddp_course.training import evaluate, write_results
 
 
 def parse_args():
@@ -135,7 +135,7 @@ def main() -> None:
         samples = sum(len(p["correct"]) for p in padded)
         log.info(f"padded DistributedSampler: {correct}/{samples} = {correct / samples:.4f}")
         log.info(
-            f"engine.evaluate (no padding): {exact['accuracy'] * exact['samples']:.0f}/"
+            f"training.evaluate (no padding): {exact['accuracy'] * exact['samples']:.0f}/"
             f"{exact['samples']} = {exact['accuracy']:.4f}"
         )
 

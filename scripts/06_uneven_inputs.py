@@ -32,15 +32,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Subset
 
 from ddp_course.data import synthetic_classification
-from ddp_course.engine import write_results
+from ddp_course.harness.restarts import attempt_prefix
 from ddp_course.models import MLP
 from ddp_course.runtime import (
     DistContext,
-    attempt_prefix,
     distributed,
     get_logger,
     seed_everything,
 )
+from ddp_course.training import write_results
 
 
 def wait_for_every_rank(ctx: DistContext, timeout_s: float) -> None:

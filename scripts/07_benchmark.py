@@ -7,7 +7,7 @@ A tiny run (seconds), also as one plain process:
     python scripts/07_benchmark.py --model layerstack --batch-size 4 --repeats 2 --caps 0.25 1
 
 One training step (zero_grad, forward, backward, SGD step) per repeat, timed
-with ddp_course.bench.time_op (a barrier before each repeat, the slowest rank
+with ddp_course.tools.bench.time_op (a barrier before each repeat, the slowest rank
 counts, median and interquartile range over repeats). Reported as ratios from
 the same run: NaiveDDP / BucketedDDP / torch's DDP; synchronising each of 4
 micro-batches against no_sync for the first 3; and step time against
@@ -27,11 +27,11 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from ddp_course.bench import summarize, time_op
 from ddp_course.ddp import BucketedDDP, NaiveDDP
-from ddp_course.engine import write_results
 from ddp_course.models import LayerStack, resnet18_mnist
 from ddp_course.runtime import distributed, get_logger
+from ddp_course.tools.bench import summarize, time_op
+from ddp_course.training import write_results
 
 CAPS = [0.25, 0.5, 1, 2, 5, 10, 25, 50, 100]
 

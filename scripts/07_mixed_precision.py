@@ -21,9 +21,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_course.data import load_mnist
-from ddp_course.engine import evaluate, write_results
 from ddp_course.models import MLP
 from ddp_course.runtime import distributed, get_logger
+from ddp_course.training import evaluate, write_results
 
 VARIANTS = ("float32", "autocast", "fp16 hook", "bf16 hook", "PowerSGD hook")
 

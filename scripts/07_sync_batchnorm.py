@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddp_course.engine import write_results
 from ddp_course.runtime import distributed, get_logger
+from ddp_course.training import write_results
 
 
 class AllReduceSum(torch.autograd.Function):

@@ -33,10 +33,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.functional import cross_entropy
 
-from ddp_course import launch, pipeline
-from ddp_course.engine import write_results
+from ddp_course import pipeline
+from ddp_course.harness import launch
 from ddp_course.models import LayerStack
 from ddp_course.runtime import distributed, get_logger
+from ddp_course.training import write_results
 
 
 def parse_args():

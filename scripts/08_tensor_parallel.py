@@ -30,8 +30,8 @@ from torch.nn.functional import mse_loss
 
 from ddp_course import comm_cost
 from ddp_course import tensor_parallel as tp
-from ddp_course.engine import write_results
 from ddp_course.runtime import distributed, get_logger
+from ddp_course.training import write_results
 
 
 def parse_args():
@@ -46,7 +46,7 @@ def parse_args():
 
 def whole_stack(args):
     torch.manual_seed(0)  # the same weights on every rank
-    return nn.Sequential(*[tp.MLP(args.d_model, args.hidden) for _ in range(args.blocks)])
+    return nn.Sequential(*[tp.FeedForward(args.d_model, args.hidden) for _ in range(args.blocks)])
 
 
 @contextlib.contextmanager
@@ -107,7 +107,9 @@ def main():
         ref_grads = {name: q.grad for name, q in reference.named_parameters()}
 
         # NEW: each block split over the ranks, fc1 by columns of A, fc2 by rows of B.
-        ours = nn.Sequential(*[tp.ParallelMLP(b, ctx.rank, n) for b in whole_stack(args)]).to(dev)
+        ours = nn.Sequential(
+            *[tp.ParallelFeedForward(b, ctx.rank, n) for b in whole_stack(args)]
+        ).to(dev)
         calls = []
         with watching_all_reduce(calls):
             out, xgrad, our_counts = forward_backward(ours, x, target)

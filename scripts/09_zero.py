@@ -9,11 +9,11 @@ Run from the repository root:
 Stage 0 is torch's DDP. Every rank trains the same MLP with Adam (or SGD
 without momentum, --optimizer sgd) on its slice of the same batches (synthetic,
 MNIST-shaped), once with torch's DDP and once per stage with
-ddp_course.sharding.Zero, from the same start; the stage's full parameters
+ddp_course.sharding.ZeRO, from the same start; the stage's full parameters
 must equal DDP's (assert_close). After the last step each rank counts the bytes of
 parameters, gradients and optimizer state it holds (held_bytes), next to the
 ZeRO paper's formula (state_bytes_per_rank), and rank 0 the bytes its
-collectives moved in that step twice: as DDP's comm hook and Zero's log count
+collectives moved in that step twice: as DDP's comm hook and ZeRO's log count
 them, and as torch's dispatcher saw them (CollectiveBytes). Stage 3 also
 reports the most bytes of full parameters gathered at once. With --sweep the
 job repeats all of it on sub-groups of its first 1, 2, ..., N ranks. Rank 0
@@ -29,17 +29,17 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_course.data import synthetic_classification
-from ddp_course.engine import write_results
 from ddp_course.models import MLP
 from ddp_course.runtime import distributed, get_logger, no_tf32, pick_backend, pick_device
 from ddp_course.sharding import (
     FP32_ADAM,
     FP32_SGD,
     CollectiveBytes,
-    Zero,
+    ZeRO,
     held_bytes,
     state_bytes_per_rank,
 )
+from ddp_course.training import write_results
 
 # SGD without momentum steps by lr x gradient, so a gradient off by a factor shows in
 # the parameters; Adam divides by the gradient's own size and hides it.
@@ -63,7 +63,7 @@ def parse_args():
 
 
 def make_model(args, rank, ctx):
-    # Every rank starts elsewhere on purpose: DDP and Zero broadcast rank 0's weights.
+    # Every rank starts elsewhere on purpose: DDP and ZeRO broadcast rank 0's weights.
     torch.manual_seed(rank)
     return MLP(hidden=args.hidden).to(ctx.device)
 
@@ -102,10 +102,10 @@ def train_ddp(args, batches, rank, group, ctx):
 
 
 def train_zero(args, stage, batches, rank, group, ctx):
-    """Zero at ``stage``; returns it (gradients of the last step still held) and what
+    """ZeRO at ``stage``; returns it (gradients of the last step still held) and what
     torch's dispatcher saw in the last step."""
     optimizer_class = OPTIMIZERS[args.optimizer][0]
-    zero = Zero(make_model(args, rank, ctx), optimizer_class, stage, group=group, lr=args.lr)
+    zero = ZeRO(make_model(args, rank, ctx), optimizer_class, stage, group=group, lr=args.lr)
     for x, y in batches:
         zero.zero_grad()
         zero.comm.clear()  # the log then holds the last step only
@@ -166,7 +166,7 @@ def main():
     # One plain process on a GPU gets an nccl group of one, as torchrun's ranks would:
     # the collectives run on the device's tensors.
     with distributed(backend=pick_backend(pick_device()), group_of_one=True) as ctx:
-        no_tf32()  # DDP and Zero compared to float32 rounding, also on a GPU
+        no_tf32()  # DDP and ZeRO compared to float32 rounding, also on a GPU
         log = get_logger(ctx)
         count = args.steps * ctx.world_size * args.batch_size
         images, labels = synthetic_classification(count).tensors

@@ -52,7 +52,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from ddp_course.bench import (
+from ddp_course.ddp import BucketedDDP
+from ddp_course.models import LayerStack
+from ddp_course.runtime import barrier, distributed, get_logger
+from ddp_course.tools.bench import (
     COLLECTIVES,
     AlphaBeta,
     algbw,
@@ -64,10 +67,7 @@ from ddp_course.bench import (
     summarize,
     write_records,
 )
-from ddp_course.ddp import BucketedDDP
-from ddp_course.models import LayerStack
-from ddp_course.runtime import barrier, distributed, get_logger
-from ddp_course.scaling import (
+from ddp_course.tools.scaling import (
     StepTimeModel,
     comm_can_overlap,
     compute_slowdown,
@@ -75,7 +75,7 @@ from ddp_course.scaling import (
     fit_amdahl,
     fit_gustafson,
 )
-from ddp_course.trace import load_trace, overlap_report, slim_trace
+from ddp_course.tools.trace import load_trace, overlap_report, slim_trace
 
 MODES = ["collectives", "scaling", "knobs", "model", "trace"]
 TINY = {"min_bytes": 4096, "max_bytes": 65536, "repeats": 2, "warmup": 1, "width": 64,

@@ -40,9 +40,9 @@ from ddp_course.checkpoint import (
     unwrap,
 )
 from ddp_course.data import MNIST_MEAN, MNIST_STD, load_mnist
-from ddp_course.engine import evaluate, write_results
 from ddp_course.models import MLP
 from ddp_course.runtime import DistContext, distributed, get_logger, seed_everything
+from ddp_course.training import evaluate, write_results
 
 
 def parse_args() -> argparse.Namespace:

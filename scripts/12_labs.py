@@ -49,11 +49,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
-from ddp_course import debug
 from ddp_course.ddp import average_gradients
-from ddp_course.engine import write_results
 from ddp_course.models import MLP
 from ddp_course.runtime import distributed, get_logger
+from ddp_course.tools import debug
+from ddp_course.training import write_results
 
 LABS = ("mismatch", "rank0_only", "unused", "shapes", "set_epoch", "divergent")
 

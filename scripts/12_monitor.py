@@ -26,10 +26,10 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from ddp_course import monitor
-from ddp_course.engine import write_results
 from ddp_course.models import MLP
 from ddp_course.runtime import distributed, get_logger
+from ddp_course.tools import monitor
+from ddp_course.training import write_results
 
 
 def parse_args():

@@ -1,4 +1,5 @@
-"""Worker for tests/test_collectives.py: hand-written collectives against torch.distributed.
+"""Worker for tests/multiprocess/test_collectives.py: hand-written collectives against
+torch.distributed.
 
 torchrun --nproc_per_node=3 tests/workers/collectives_check.py --results out.json
 
@@ -19,9 +20,10 @@ from ddp_course.collectives import (
     ring_all_reduce,
     ring_reduce_scatter,
 )
-from ddp_course.comm_cost import chunk_bounds, parameter_server_bytes, ring_bytes
-from ddp_course.engine import write_results
+from ddp_course.comm_cost import parameter_server_bytes, ring_bytes
+from ddp_course.partition import partition
 from ddp_course.runtime import distributed
+from ddp_course.training import write_results
 
 DTYPES = (torch.float32, torch.float64, torch.int64, torch.int32)
 CROSS = (torch.float32, torch.int64)  # dtypes checked with every op, not only sum
@@ -81,19 +83,19 @@ def main() -> None:
                         assert stats == parameter_server_bytes(numel, esize, n, rank, root)
                     cases += 3
                 # Reduce-scatter alone: this rank's chunk of the all-reduced tensor.
-                start, stop = chunk_bounds(numel, n)[rank]
+                start, stop = partition(numel, n)[rank]
                 got = x.clone()
                 chunk, _ = ring_reduce_scatter(got, "sum")
                 torch.testing.assert_close(chunk, reference(x, "sum", n)[start:stop])
                 # All-gather alone: every rank contributes its own chunk.
                 full = torch.zeros_like(x)
-                for r, (a, b) in enumerate(chunk_bounds(numel, n)):
+                for r, (a, b) in enumerate(partition(numel, n)):
                     if r == rank:
                         full[a:b] = rank_tensor(numel, dtype, r, dev)[a:b]
                 ring_all_gather(full)
                 parts = [torch.zeros_like(x) for _ in range(n)]
                 dist.all_gather(parts, x)
-                bounds = chunk_bounds(numel, n)
+                bounds = partition(numel, n)
                 want = torch.cat([p[a:b] for p, (a, b) in zip(parts, bounds, strict=True)])
                 torch.testing.assert_close(full, want)
                 cases += 2

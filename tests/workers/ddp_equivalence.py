@@ -15,9 +15,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_course.data import synthetic_classification
-from ddp_course.engine import evaluate
 from ddp_course.models import MLP
 from ddp_course.runtime import distributed
+from ddp_course.training import evaluate
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=5)

@@ -1,6 +1,6 @@
 """Worker: NaiveDDP and BucketedDDP against torch's DDP and one process on the global batch.
 
-Launched by tests/test_ddp_internals.py with 2 and 3 ranks; it checks many
+Launched by tests/multiprocess/test_ddp.py with 2 and 3 ranks; it checks many
 cases in one job and writes what it measured to ``--results`` (rank 0), so the
 test asserts on numbers, not on "it ran". Every rank trains, besides the
 wrapped model, a plain reference model on the whole global batch.

@@ -1,6 +1,6 @@
 """Worker: a layer used on some ranks only, BucketedDDP against torch's DDP.
 
-Launched by tests/test_ddp_internals.py with 2 ranks. Rank ``r`` uses the
+Launched by tests/multiprocess/test_ddp.py with 2 ranks. Rank ``r`` uses the
 ``extra`` layer in step ``s`` when ``USES[s][r]`` is true: every rank in step
 0 (so every bucket slot holds a gradient afterwards), rank 0 only in step 1
 (rank 1's slot must count as zero, not as step 0's value), no rank in step 2

@@ -1,5 +1,5 @@
-"""Worker for tests/test_exact_eval.py: evaluate a saved model on the test
-digits, exactly (ddp_course.engine.evaluate) and through a padded
+"""Worker for tests/multiprocess/test_exact_eval.py: evaluate a saved model on the test
+digits, exactly (ddp_course.training.evaluate) and through a padded
 DistributedSampler, and write both to --results from rank 0.
 
     torchrun --nproc_per_node=3 tests/workers/samplers_eval.py --model m.pt --results r.json
@@ -13,9 +13,9 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from ddp_course.checkpoint import load_checkpoint
 from ddp_course.data import load_mnist
-from ddp_course.engine import evaluate, write_results
 from ddp_course.models import MLP
 from ddp_course.runtime import distributed
+from ddp_course.training import evaluate, write_results
 
 
 def main() -> None:

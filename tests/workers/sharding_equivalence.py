@@ -1,6 +1,6 @@
 """Worker: ZeRO stages 1-3 trained with Adam against torch's DDP + Adam, plus broken variants.
 
-Every rank builds the model with its own seed (Zero and DDP must broadcast
+Every rank builds the model with its own seed (ZeRO and DDP must broadcast
 rank 0's), trains each variant for ``--steps`` steps on the same batches and
 reports, from rank 0: the largest parameter gap to DDP, the bytes of state
 each rank holds after a step, and the collective volume of one step.
@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_course.models import MLP
 from ddp_course.runtime import distributed
-from ddp_course.sharding import FP32_ADAM, Zero, held_bytes, state_bytes_per_rank
+from ddp_course.sharding import FP32_ADAM, ZeRO, held_bytes, state_bytes_per_rank
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=4)
@@ -31,14 +31,14 @@ args = parser.parse_args()
 warnings.filterwarnings("ignore", message="Full backward hook is firing")
 
 
-class SummedZero(Zero):
+class SummedZero(ZeRO):
     """Broken: sums gradients over ranks instead of averaging them."""
 
     def _reduce_scatter(self, sharded, grad):
         return super()._reduce_scatter(sharded, grad) * self.world_size
 
 
-class NoGatherZero(Zero):
+class NoGatherZero(ZeRO):
     """Broken: after the step each rank keeps only its own shard up to date."""
 
     def _all_gather(self, sharded):
@@ -47,7 +47,7 @@ class NoGatherZero(Zero):
         return full
 
 
-class UnloggedZero(Zero):
+class UnloggedZero(ZeRO):
     """Broken bookkeeping: all-gathers happen but are left out of the log."""
 
     def _all_gather(self, sharded):
@@ -56,7 +56,7 @@ class UnloggedZero(Zero):
         return full
 
 
-class WholeModelZero(Zero):
+class WholeModelZero(ZeRO):
     """Broken: every rank keeps optimizer state for the whole model (plain DDP memory)."""
 
     def __init__(self, module, optimizer_class, stage, **defaults):
@@ -71,7 +71,7 @@ class WholeModelZero(Zero):
         self.optimizer.state.update(self.spare.state)
 
 
-class KeepGatheredZero(Zero):
+class KeepGatheredZero(ZeRO):
     """Stage 3 that keeps each layer gathered from its forward until its gradient is reduced.
 
     Wrong for the memory claim (the whole model is gathered at once), and the
@@ -83,7 +83,7 @@ class KeepGatheredZero(Zero):
 
 
 VARIANTS = {
-    "stage1": (Zero, 1), "stage2": (Zero, 2), "stage3": (Zero, 3),
+    "stage1": (ZeRO, 1), "stage2": (ZeRO, 2), "stage3": (ZeRO, 3),
     "stage1-sum": (SummedZero, 1), "stage3-sum": (SummedZero, 3),
     "stage2-no-gather": (NoGatherZero, 2), "stage2-unlogged": (UnloggedZero, 2),
     "stage1-whole-optimizer": (WholeModelZero, 1),
@@ -152,7 +152,7 @@ with distributed() as ctx:
         zero = cls(new_model(ctx), torch.optim.Adam, stage, lr=0.01)
         for x, y in batches(ctx, n, b):
             zero.comm.clear()
-            # torch's own count of the c10d collectives, to check that Zero logs every one
+            # torch's own count of the c10d collectives, to check that ZeRO logs every one
             with CommDebugMode() as torch_count:
                 loss_of(zero, x, y).backward()
                 zero.step()
@@ -186,7 +186,7 @@ with distributed() as ctx:
             "formula": state_bytes_per_rank(stage, num_params, n, FP32_ADAM).__dict__,
         }
     try:  # a model that differs across ranks must be refused on every rank
-        Zero(MLP(in_features=20, hidden=32 + ctx.rank, num_classes=5), torch.optim.Adam, 2)
+        ZeRO(MLP(in_features=20, hidden=32 + ctx.rank, num_classes=5), torch.optim.Adam, 2)
         out["mismatch_error"] = None
     except ValueError as error:
         out["mismatch_error"] = str(error)

@@ -1,7 +1,7 @@
 """Worker: Megatron-LM tensor parallelism against one process, counted and broken on purpose.
 
 Every rank builds the same two-block MLP (same seed) as the single-process
-reference and splits it with ``ParallelMLP``. It measures, without asserting
+reference and splits it with ``ParallelFeedForward``. It measures, without asserting
 in between (so that every rank always runs the same collectives, even when a
 check fails): the output, the input gradient, every gathered weight gradient,
 the gathered weights after SGD steps, and each ``dist.all_reduce`` call (by
@@ -47,11 +47,11 @@ RTOL, ATOL = 1e-5, 1e-6
 
 def reference_model():
     torch.manual_seed(0)
-    return nn.Sequential(*[tp.MLP(args.d_model, args.hidden) for _ in range(args.blocks)])
+    return nn.Sequential(*[tp.FeedForward(args.d_model, args.hidden) for _ in range(args.blocks)])
 
 
 def parallel_model(ref, ctx):
-    return nn.Sequential(*[tp.ParallelMLP(b, ctx.rank, ctx.world_size) for b in ref])
+    return nn.Sequential(*[tp.ParallelFeedForward(b, ctx.rank, ctx.world_size) for b in ref])
 
 
 def batch(step):

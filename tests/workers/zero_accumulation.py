@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_course.models import MLP
 from ddp_course.runtime import distributed, no_tf32
-from ddp_course.sharding import Zero
+from ddp_course.sharding import ZeRO
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=3)
@@ -35,7 +35,7 @@ parser.add_argument("--results")
 args = parser.parse_args()
 
 
-class OverwriteZero(Zero):
+class OverwriteZero(ZeRO):
     """Broken: each backward's shard gradient replaces the previous one (last micro-batch wins)."""
 
     def _accumulate(self, sharded, shard_grad):
@@ -43,7 +43,7 @@ class OverwriteZero(Zero):
 
 
 VARIANTS = {
-    "stage1": (Zero, 1), "stage2": (Zero, 2), "stage3": (Zero, 3),
+    "stage1": (ZeRO, 1), "stage2": (ZeRO, 2), "stage3": (ZeRO, 3),
     "stage2-overwrite": (OverwriteZero, 2), "stage3-overwrite": (OverwriteZero, 3),
 }  # fmt: skip
 
@@ -85,7 +85,7 @@ def flat(params):
 
 
 with distributed() as ctx:
-    no_tf32()  # one process, DDP and Zero compared to float32 rounding, also on a GPU
+    no_tf32()  # one process, DDP and ZeRO compared to float32 rounding, also on a GPU
     start = {k: p.detach().clone() for k, p in new_model(ctx, 1000).named_parameters()}
 
     # One process, the whole global batch per step (every rank computes it alone).

@@ -1,0 +1,317 @@
+"""Command line: ``python -m ddp_course {check,course,execute,lab,gpu-check}``.
+
+- ``check``: versions, devices, backends and the data set that will be used.
+- ``course``: execute every notebook in order, headless, into ``build/``,
+  with a progress bar and a pass/fail summary (exit code 1 if any failed).
+- ``execute NB...``: re-execute notebooks top to bottom and store their
+  outputs in place (for authors: committed outputs come from a clean run),
+  with the kernel metadata JupyterLab writes, so opening them changes nothing.
+- ``lab``: JupyterLab rooted at the repository, its terminals in the
+  repository root with this environment's ``bin`` first on ``PATH``.
+- ``gpu-check``: on a GPU machine, ``tests/gpu/test_gpu.py`` and every notebook on
+  the GPUs, a summary in ``benchmarks/gpu-<GPU name>/`` and a pass/fail table;
+  one line and exit code 2 without a GPU (see :mod:`ddp_course.harness.gpu_check`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import re
+import shlex
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+NOTEBOOKS = ROOT / "notebooks"
+# What JupyterLab writes into a notebook run with ipykernel's own kernel
+# (its kernel.json); a different stored value marks the notebook modified
+# as soon as it is opened.
+KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
+
+
+def check() -> int:
+    """Print the environment; return 1 if torch and torchvision do not work together."""
+    import torch
+    import torch.distributed as dist
+
+    from ..data import has_full_mnist, load_mnist
+    from ..runtime import pick_backend, pick_device
+
+    print(f"python       {platform.python_version()}")
+    print(f"torch        {torch.__version__}")
+    try:
+        import torchvision
+
+        from ..models import resnet18_mnist
+
+        resnet18_mnist()(torch.zeros(1, 1, 28, 28))
+        print(f"torchvision  {torchvision.__version__} (a ResNet-18 forward pass works)")
+    except Exception as exc:  # any import or operator failure means a broken pair
+        print(f"torchvision  BROKEN: {type(exc).__name__}: {exc}")
+        print("Reinstall with `make setup` (torch===X pins the index build).")
+        return 1
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    print(f"GPUs         {gpus}" + (f" ({torch.cuda.get_device_name(0)})" if gpus else ""))
+    backends = {
+        "gloo": dist.is_gloo_available(),
+        "nccl": dist.is_nccl_available(),
+        "mpi": dist.is_mpi_available(),
+    }
+    print("backends     " + ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in backends.items()))
+    device = pick_device()
+    print(f"device       {device} -> backend {pick_backend(device)}")
+    split = load_mnist("data", train=False)
+    full = "in data/MNIST/raw" if has_full_mnist("data") else "not downloaded"
+    print(f"MNIST        {split.source} by default ({len(split.dataset)} test digits); "
+          f"full MNIST {full} (source='full' fetches it)")  # fmt: skip
+    return 0
+
+
+def run_notebook(path: pathlib.Path, out: pathlib.Path, timeout_s: int) -> None:
+    """Execute ``path`` top to bottom in its own folder and write it to ``out``.
+
+    Raises:
+        nbclient.exceptions.CellExecutionError: a cell raised; the executed
+            notebook up to that cell is still written to ``out``.
+    """
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(path, as_version=4)
+    client = NotebookClient(
+        nb, timeout=timeout_s, kernel_name=KERNELSPEC["name"], config=_kernel_config(),
+        # A busy 2-core machine can take over a minute to start a kernel.
+        startup_timeout=300,
+        resources={"metadata": {"path": str(path.parent)}},
+    )  # fmt: skip
+    try:
+        client.execute()  # also stores language_info as the kernel reports it
+    finally:
+        nb.metadata["kernelspec"] = dict(KERNELSPEC)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        nbformat.write(nb, out)
+
+
+def _kernel_config():
+    """Kernel manager settings: encrypted kernel sockets where possible.
+
+    A kernel on plain TCP logs "Kernel is running over TCP without encryption"
+    on stderr, which is this process's: once per notebook, in the middle of
+    ``course``'s progress bar. With ``transport_encryption="auto"``, recent
+    jupyter_client versions provision CurveZMQ keys for kernels that declare
+    support (ipykernel's kernel.json does), so the warning's cause is gone.
+    Without that option or without CurveZMQ in pyzmq, the kernel logs errors only.
+    """
+    import zmq
+    from jupyter_client import KernelManager
+    from traitlets.config import Config
+
+    config = Config()
+    if zmq.has("curve") and KernelManager.class_traits().get("transport_encryption"):
+        config.KernelManager.transport_encryption = "auto"
+    else:
+        config.NotebookClient.extra_arguments = ["--log-level=ERROR"]
+    return config
+
+
+def course(paths: Sequence[pathlib.Path], out_dir: pathlib.Path | None, timeout_s: int) -> int:
+    """Execute notebooks in order; print a summary; 0 if all passed, else 1."""
+    from tqdm.auto import tqdm
+
+    rows = []
+    bar = tqdm(paths, unit="notebook")
+    for path in bar:
+        bar.set_description(path.name)
+        out = path if out_dir is None else out_dir / path.name
+        start = time.perf_counter()
+        try:
+            run_notebook(path, out, timeout_s)
+            status = "passed"
+        except Exception as exc:
+            # The kernel's traceback is coloured; keep its last line, plain.
+            last = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip().splitlines()[-1]
+            status = f"FAILED: {type(exc).__name__}: {last[:200]}"
+        rows.append((path.name, time.perf_counter() - start, status))
+    bar.close()
+    width = max(len(name) for name, _, _ in rows)
+    for name, seconds, status in rows:
+        print(f"{name:<{width}}  {seconds:7.1f} s  {status}")
+    failed = sum(not status.startswith("passed") for _, _, status in rows)
+    print(f"{len(rows) - failed} passed, {failed} failed")
+    if out_dir is not None:
+        print(f"executed notebooks are in {out_dir}")
+    return 1 if failed else 0
+
+
+def lab_command(
+    root: pathlib.Path,
+    uid: int | None,
+    shell: Sequence[str] | None,
+    extra: Sequence[str] = (),
+    settings: pathlib.Path | None = None,
+) -> list[str]:
+    """The ``jupyter lab`` command line: served from ``root``, lesson 00 open.
+
+    Args:
+        root: folder the server shows (the repository root).
+        uid: effective user id; 0 (root, as in containers) adds ``--allow-root``,
+            without which JupyterLab refuses to start. ``None`` on Windows.
+        shell: the terminals' command (see ``lab_shell``); ``None`` keeps Jupyter's.
+        extra: further options passed to JupyterLab as they are (``--port=...``).
+        settings: JupyterLab's application settings folder, whose
+            ``overrides.json`` sets defaults (see ``lab_settings``).
+    """
+    command = [
+        sys.executable, "-m", "jupyterlab",
+        f"--ServerApp.root_dir={root}",
+        "--LabApp.default_url=/lab/tree/notebooks/00_course_setup.ipynb",
+    ]  # fmt: skip
+    if shell is not None:
+        command.append(f"--ServerApp.terminado_settings=shell_command={shlex.join(shell)}")
+    if settings is not None:
+        command.append(f"--LabApp.app_settings_dir={settings}")
+    if uid == 0:
+        command.append("--allow-root")
+    return [*command, *extra]
+
+
+def lab_shell(root: pathlib.Path, bin_dir: pathlib.Path) -> list[str] | None:
+    """The terminals' shell: bash with an rc file written to ``root/build/lab``.
+
+    The rc file reads ``~/.bashrc``, then puts ``bin_dir`` first on ``PATH``
+    (after it, so that a conda ``init`` block does not win) and changes to
+    ``root``: JupyterLab opens a terminal in the file browser's folder, while
+    every command a lesson gives is written for the repository root.
+    Returns ``None`` where there is no bash (Windows): Jupyter's own shell,
+    which inherits the server's ``PATH``.
+    """
+    bash = shutil.which("bash")
+    if bash is None:
+        return None
+    rc = root / "build" / "lab" / "bashrc"
+    rc.parent.mkdir(parents=True, exist_ok=True)
+    rc.write_text(
+        "# Written by `python -m ddp_course lab`: the course's terminal.\n"
+        '[ -f "$HOME/.bashrc" ] && . "$HOME/.bashrc"\n'
+        f'export PATH={shlex.quote(str(bin_dir))}:"$PATH"\n'
+        f"cd {shlex.quote(str(root))}\n"
+    )
+    return [bash, "--rcfile", str(rc), "-i"]
+
+
+# Defaults the course sets for its JupyterLab: no "receive official Jupyter news?"
+# question on the first start (the course runs offline and a learner should start on
+# lesson 00, not on a pop-up). A learner's own settings still win over these.
+LAB_OVERRIDES = {"@jupyterlab/apputils-extension:notification": {"fetchNews": "false"}}
+
+
+def lab_settings(root: pathlib.Path) -> pathlib.Path:
+    """Write the course's JupyterLab defaults to ``root/build/lab/settings/overrides.json``.
+
+    Returns the folder, for ``--LabApp.app_settings_dir``
+    (https://jupyterlab.readthedocs.io/en/stable/user/directories.html#overridesjson).
+    """
+    folder = root / "build" / "lab" / "settings"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "overrides.json").write_text(json.dumps(LAB_OVERRIDES, indent=2) + "\n")
+    return folder
+
+
+def lab(extra: Sequence[str]) -> int:
+    """Run JupyterLab for the course until it is stopped; its exit code.
+
+    ``PATH`` starts with this interpreter's ``bin`` folder (``.venv/bin``), so
+    the terminals' ``python`` and ``torchrun`` are the course's.
+    """
+    import subprocess
+
+    try:
+        import jupyterlab  # noqa: F401
+    except ImportError:
+        print("JupyterLab is not installed here: run `make setup` (or pip install -e '.[lab]').")
+        return 1
+    if not NOTEBOOKS.is_dir():
+        print(f"No notebooks next to the package ({NOTEBOOKS}): install it editable from a")
+        print("clone of the repository (`make setup`, or pip install -e .) and run it there.")
+        return 1
+    # Not resolved: .venv/bin/python is a link to the base interpreter.
+    bin_dir = pathlib.Path(sys.executable).parent
+    env = dict(os.environ, PATH=os.pathsep.join([str(bin_dir), os.environ.get("PATH", "")]))
+    uid = os.geteuid() if hasattr(os, "geteuid") else None
+    command = lab_command(ROOT, uid, lab_shell(ROOT, bin_dir), extra, lab_settings(ROOT))
+    if os.name == "posix":
+        # Become JupyterLab: a SIGTERM or SIGINT sent to this process (by make, a
+        # process manager, a closed terminal) reaches the server itself, which stops
+        # its kernels and terminals, instead of killing a parent and leaving it behind.
+        sys.stdout.flush()
+        os.chdir(ROOT)
+        os.execve(sys.executable, command, env)
+    try:
+        return subprocess.call(command, env=env, cwd=ROOT)
+    except KeyboardInterrupt:
+        return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m ddp_course",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("check", help="print versions, devices, backends and data")
+    run = sub.add_parser("course", help="execute all notebooks into build/notebooks")
+    run.add_argument(
+        "notebooks", nargs="*", type=pathlib.Path, help="notebooks to run (default: all, in order)"
+    )
+    run.add_argument("--out", type=pathlib.Path, default=pathlib.Path("build/notebooks"))
+    run.add_argument("--timeout", type=int, default=900, help="seconds per cell")
+    ex = sub.add_parser("execute", help="re-execute notebooks and store outputs in place")
+    ex.add_argument("notebooks", nargs="+", type=pathlib.Path)
+    ex.add_argument("--timeout", type=int, default=900, help="seconds per cell")
+    sub.add_parser(
+        "lab", help="JupyterLab on the repository (further options go to JupyterLab)",
+    )  # fmt: skip
+    gpu = sub.add_parser(
+        "gpu-check", help="run the GPU tests and every notebook on this machine's GPUs",
+    )  # fmt: skip
+    gpu.add_argument("--budget-s", type=float, default=None,
+                     help="start no new check after this many seconds (default 540; every "
+                          "pass is stopped 60 s later)")  # fmt: skip
+    gpu.add_argument("--out", type=pathlib.Path, default=None,
+                     help="results folder (default: benchmarks/gpu-<GPU name>)")  # fmt: skip
+    gpu.add_argument("--no-notebooks", action="store_true", help="run tests/gpu/test_gpu.py only")
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "lab":
+        return lab(extra)
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "check":
+        return check()
+    if args.command == "gpu-check":
+        from . import gpu_check
+
+        budget = gpu_check.BUDGET_S if args.budget_s is None else args.budget_s
+        shown = ["python", "-m", "ddp_course", "gpu-check", "--budget-s", f"{budget:g}"]
+        shown += ["--no-notebooks"] if args.no_notebooks else []
+        out = None if args.out is None else args.out.resolve()
+        return gpu_check.gpu_check(budget, out, not args.no_notebooks, command=shlex.join(shown))
+    if args.command == "course":
+        paths = args.notebooks or sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+        if not paths:
+            parser.error(f"no notebooks found in {NOTEBOOKS}")
+        return course(paths, args.out.resolve(), args.timeout)
+    # Stored outputs: the launcher's "still running" lines are for a person waiting,
+    # not for the record (DDP_COURSE_HEARTBEAT_S, see ddp_course.harness.jobs).
+    os.environ.setdefault("DDP_COURSE_HEARTBEAT_S", "0")
+    return course(args.notebooks, None, args.timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

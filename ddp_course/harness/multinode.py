@@ -1,0 +1,455 @@
+"""Several ``torchrun`` agents as the nodes of one job, on one machine.
+
+On a cluster every node runs the same command with its own ``--node-rank``,
+its own address and the name of the interface between the nodes (here ``eth1``;
+without it gloo and nccl use the address the hostname resolves to, 127.0.1.1 on
+many VMs, and the job hangs), the same ``--rdzv-id``, and a fresh store per
+rendezvous round (or a restart on several nodes can hang)::
+
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 GLOO_SOCKET_IFNAME=eth1 NCCL_SOCKET_IFNAME=eth1
+    torchrun --nnodes=2 --node-rank=0 --nproc-per-node=2 --rdzv-backend=c10d \\
+        --rdzv-endpoint=10.0.0.1:29400 --rdzv-id=job42 --local-addr=10.0.0.1 \\
+        script.py                                                     # on host 0
+    torchrun --nnodes=2 --node-rank=1 --nproc-per-node=2 --rdzv-backend=c10d \\
+        --rdzv-endpoint=10.0.0.1:29400 --rdzv-id=job42 --local-addr=10.0.0.2 \\
+        script.py                                                     # on host 1
+
+:func:`torchrun_nodes` starts those agents here, each with its own log
+folder, optionally each in a network namespace of its own
+(:mod:`ddp_course.harness.netns`), and judges the job as :func:`ddp_course.harness.launch.torchrun`
+does: a timeout kills every process of every node and names where each rank
+was stuck; a failure raises :class:`~ddp_course.harness.launch.LaunchError` naming the
+rank and the node; rendezvous problems (wrong endpoint, one node missing)
+are said in words with what to fix. See
+https://pytorch.org/docs/stable/elastic/run.html for torchrun's flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .. import runtime
+from ..runtime import DEVICE_ENV, device_plan
+from . import failures, jobs, launch
+
+__all__ = ["MultiNodeResult", "Node", "torchrun_nodes"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Node:
+    """One node of a job: one torchrun agent and its workers.
+
+    Attributes:
+        nproc: workers (ranks) on this node, ``--nproc-per-node``.
+        node_rank: ``--node-rank``; c10d's rendezvous assigns the group
+            rank itself and uses this only as a hint.
+        addr: this node's address (``--local-addr``), where its workers'
+            store and gloo listen.
+        netns: run the agent inside this network namespace (``ip netns exec``).
+        ifname: the interface gloo uses on this node (``GLOO_SOCKET_IFNAME``).
+        start_when: start this agent only once the job's streamed output
+            contains this text (a node joining a running job).
+        torchrun_args: more torchrun flags for this node only.
+    """
+
+    nproc: int = 1
+    node_rank: int = 0
+    addr: str = "127.0.0.1"
+    netns: str | None = None
+    ifname: str | None = None
+    start_when: str | None = None
+    torchrun_args: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass
+class MultiNodeResult:
+    """A finished, successful multi-node job.
+
+    Attributes:
+        logs: every rank's output ``{global rank: text}`` from the last attempt
+            that rank took part in.
+        node_logs: ``{node index: {local rank: text}}``, every attempt.
+        global_ranks: ``{node index: [global rank of local rank 0, 1, ...]}``
+            as the rendezvous assigned them in the last round.
+        output: ``{node index: the agent's own output}``.
+        results: the parsed JSON results file, or ``None``.
+        wall_s: seconds from the first start to the last exit.
+    """
+
+    logs: dict[int, str]
+    node_logs: dict[int, dict[int, str]]
+    global_ranks: dict[int, list[int]]
+    output: dict[int, str]
+    results: Any
+    wall_s: float
+
+
+# Each worker line the agent echoes starts with this prefix (torchrun's
+# TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE): local rank, then global rank.
+_LINE_PREFIX_TEMPLATE = "[${role_name}${local_rank}|${rank}]:"
+_LINE_PREFIX = re.compile(r"^\[[A-Za-z_]*?(\d+)\|(\d+)\]:", re.MULTILINE)
+_RDZV_FAILED = ("RendezvousConnectionError", "RendezvousTimeoutError", "RendezvousClosedError")
+
+
+def global_ranks(agent_output: str, nproc: int) -> list[int] | None:
+    """The last line of local rank 0 names its global rank; torchelastic gives a node's
+    workers consecutive global ranks, in local-rank order."""
+    found = [(int(lr), int(gr)) for lr, gr in _LINE_PREFIX.findall(agent_output)]
+    first = [gr - lr for lr, gr in found]
+    if not first:
+        return None
+    return list(range(first[-1], first[-1] + nproc))
+
+
+def _last_attempt_logs(log_dir: pathlib.Path) -> dict[int, str]:
+    # The workers' logs of the newest attempt folder only: a rank's global
+    # rank can change from one rendezvous round to the next.
+    attempts = sorted(log_dir.glob("*/attempt_*"), key=lambda p: p.stat().st_mtime)
+    if not attempts:
+        return {}
+    logs = {}
+    for rank_dir in sorted(attempts[-1].iterdir()):
+        if rank_dir.name.isdigit():
+            logs[int(rank_dir.name)] = "".join(
+                (rank_dir / n).read_text(errors="replace")
+                for n in ("stdout.log", "stderr.log")
+                if (rank_dir / n).exists()
+            )
+    return logs
+
+
+def _agent_cmd(
+    node: Node,
+    nnodes: str,
+    endpoint: str,
+    run_id: str,
+    agent_tmp: pathlib.Path,
+    log_dir: pathlib.Path,
+    extra: Sequence[str],
+    script: pathlib.Path,
+    args: Sequence[str],
+) -> list[str]:
+    cmd = [
+        sys.executable, "-m", "ddp_course.harness.loopback", "--tmpdir", str(agent_tmp),
+        f"--nnodes={nnodes}", f"--node-rank={node.node_rank}", f"--nproc-per-node={node.nproc}",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
+        f"--local-addr={node.addr}", f"--log-dir={log_dir}", "--tee=3",
+        "--local-ranks-filter=0", *extra, *node.torchrun_args, str(script.resolve()), *args,
+    ]  # fmt: skip
+    if node.netns is not None:
+        cmd = ["ip", "netns", "exec", node.netns, *cmd]
+    return cmd
+
+
+# What a node needs in its environment on a real cluster too: shown in front of
+# the command each node runs (the launcher's own variables are not).
+_SHOWN_ENV = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def _shown_command(
+    node: Node,
+    nnodes: str,
+    endpoint: str,
+    run_id: str,
+    env: Mapping[str, str],
+    extra: Sequence[str],
+    script: str | os.PathLike,
+    args: Sequence[str],
+) -> str:
+    """The command a learner would type on that node: its environment variables, then
+    torchrun with every flag the agent gets (``--rdzv-id`` and ``--local-addr`` too)."""
+    assignments = [f"{k}={v}" for k, v in env.items()]
+    prefix = (["ip", "netns", "exec", node.netns, "env", *assignments] if node.netns
+              else assignments)  # fmt: skip
+    return shlex.join([
+        *prefix, "torchrun", f"--nnodes={nnodes}", f"--node-rank={node.node_rank}",
+        f"--nproc-per-node={node.nproc}", "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}", f"--local-addr={node.addr}",
+        *extra, *node.torchrun_args, jobs.shown_path(script), *args,
+    ])  # fmt: skip
+
+
+def _explain(i: int, node: Node, output: str, endpoint: str) -> str:
+    """What a failed agent's own output says went wrong, in words, with the fix."""
+    if any(name in output for name in _RDZV_FAILED):
+        return (
+            f"node {i} could not complete the rendezvous at {endpoint}: nothing answered "
+            "there, or not every node joined in time. Check that every node uses the "
+            "same --rdzv-endpoint (the address and port of the first node, reachable "
+            "from every node), the same --rdzv-id and the same --nnodes, and that the "
+            "first node was started."
+        )
+    return ""
+
+
+def torchrun_nodes(
+    script: str | os.PathLike,
+    args: Sequence[str] = (),
+    nodes: Sequence[Node] | None = None,
+    nnodes: str | None = None,
+    endpoint: str | None = None,
+    timeout_s: float = 300.0,
+    env: Mapping[str, str] | None = None,
+    results: bool = False,
+    echo: bool = True,
+    extra_torchrun_args: Sequence[str] = (),
+    log_dir: str | os.PathLike | None = None,
+    grace_s: float = 10.0,
+    rdzv_conf: Mapping[str, Any] | None = None,
+) -> MultiNodeResult:
+    """Run one job as several torchrun agents (nodes) on this machine and wait for it.
+
+    Prints the command each node runs, with the environment variables a node
+    needs on a real cluster too (``[node 1] $ TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    torchrun --nnodes=2 ... --rdzv-id=... --local-addr=...``) and streams
+    node 0's rank 0 output. The job runs on CPU with gloo unless every rank of
+    every node has a GPU of its own (the rule of
+    :func:`ddp_course.runtime.device_plan`).
+
+    Args:
+        script: path of the Python script.
+        args: the script's own arguments (the same on every node).
+        nodes: one :class:`Node` per agent; default two nodes of one rank on
+            loopback.
+        nnodes: ``--nnodes``, e.g. ``"2"`` or ``"1:2"`` (elastic); default the
+            number of nodes.
+        endpoint: ``HOST:PORT`` of the c10d rendezvous; default a free port on
+            the first node's address.
+        timeout_s: wall-clock limit in seconds for the whole job.
+        env: extra environment variables for every agent and rank of every node;
+            ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` defaults to ``1`` (a fresh
+            store for the workers at each rendezvous round, see the code).
+        results: pass ``--results <file>`` (one file, shared) and return its JSON.
+        echo: print node 0's rank 0 output live.
+        extra_torchrun_args: more torchrun flags for every node (e.g.
+            ``["--max-restarts=1", "--rdzv-conf=join_timeout=5"]``).
+        log_dir: keep the per-node logs here (``node0/``, ``node1/``, ...);
+            default a temporary folder, removed afterwards.
+        grace_s: seconds the other agents get to stop by themselves after one
+            failed, before they are killed.
+        rdzv_conf: torchrun's ``--rdzv-conf`` for every node, e.g.
+            ``{"join_timeout": 5}`` (seconds to wait for all nodes) or
+            ``{"last_call_timeout": 1}`` (seconds an elastic job waits for more
+            nodes once it has the minimum). A node whose address is the
+            endpoint's host but not its hostname's (a namespace, a second
+            network card) also gets ``is_host=true``: torch guesses who hosts
+            the rendezvous store from the hostname and would find no host.
+
+    Returns:
+        :class:`MultiNodeResult`.
+
+    Raises:
+        FileNotFoundError: ``script`` does not exist.
+        ValueError: no nodes, or a node with ``nproc`` < 1.
+        LaunchTimeout: the job ran past ``timeout_s``; every process of every
+            node was killed; the message says which nodes never got workers
+            (a rendezvous that did not complete) and where each rank was.
+        LaunchError: an agent failed; the message names the node and the
+            rank and shows the traceback, or says what to fix in the
+            rendezvous settings.
+    """
+    path = jobs.check_script(script)
+    nodes = list(nodes) if nodes is not None else [Node(node_rank=0), Node(node_rank=1)]
+    if not nodes:
+        raise ValueError("give at least one Node")
+    for node in nodes:
+        if node.nproc < 1:
+            raise ValueError(f"nproc must be at least 1, not {node.nproc}")
+    nnodes = nnodes or str(len(nodes))
+    if endpoint is None:
+        # A port free here; a fresh namespace has every port free, and its
+        # address cannot be bound from outside it.
+        port = launch.free_port("127.0.0.1" if nodes[0].netns else nodes[0].addr)
+        endpoint = f"{nodes[0].addr}:{port}"
+    env = dict(env or {})
+    given_env = list(env)  # shown in the printed commands, with _SHOWN_ENV
+    if DEVICE_ENV not in env and DEVICE_ENV not in os.environ:
+        env[DEVICE_ENV] = device_plan(max(n.nproc for n in nodes), runtime.gpu_count()).device_type
+    env.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", _LINE_PREFIX_TEMPLATE)
+    # A fresh store for the workers at every rendezvous round, instead of the
+    # agents' shared one. With the shared store, keys of a dead round stay
+    # readable; runtime.distributed() keys them by TORCHELASTIC_RESTART_COUNT,
+    # but on several nodes the counts can differ (an agent whose workers did not
+    # fail restarts them uncounted when another node waits at the rendezvous:
+    # torch.distributed.elastic.agent.server.api, _invoke_run), and a node that
+    # joins a running job waits for a MASTER_ADDR that the first node never
+    # publishes for the new round (torch 2.13). Both hung here.
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    with tempfile.TemporaryDirectory(prefix="ddp_course_") as tmp:
+        logs_root = pathlib.Path(log_dir) if log_dir is not None else pathlib.Path(tmp, "logs")
+        results_path = pathlib.Path(tmp, "results.json") if results else None
+        run_id = f"ddp_course_{os.getpid()}_{time.monotonic_ns()}"
+        cmds, envs = [], []
+        for i, node in enumerate(nodes):
+            agent_tmp = pathlib.Path(tmp, f"agent{i}")
+            agent_tmp.mkdir()
+            job_args = [*args, *(["--results", str(results_path)] if results_path else [])]
+            cmds.append(_agent_cmd(node, nnodes, endpoint, run_id, agent_tmp,
+                                   logs_root / f"node{i}", extra_torchrun_args, path,
+                                   job_args))  # fmt: skip
+            conf = dict(rdzv_conf or {})
+            if node.netns and endpoint.rpartition(":")[0] == node.addr:
+                conf.setdefault("is_host", "true")
+            conf_args = (
+                [f"--rdzv-conf={','.join(f'{k}={v}' for k, v in conf.items())}"] if conf else []
+            )
+            cmds[-1][cmds[-1].index(str(path.resolve())) : 0] = conf_args
+            node_env = dict(env)
+            if node.ifname:
+                node_env.setdefault("GLOO_SOCKET_IFNAME", node.ifname)
+                node_env.setdefault("NCCL_SOCKET_IFNAME", node.ifname)
+            envs.append(node_env)
+            shown_env = {k: node_env[k] for k in [*given_env, *_SHOWN_ENV] if k in node_env}
+            shown = _shown_command(node, nnodes, endpoint, run_id, shown_env,
+                                   [*conf_args, *extra_torchrun_args], script, args)  # fmt: skip
+            print(f"[node {i}] $ {shown}", flush=True)
+        return _run_nodes(nodes, cmds, envs, path, endpoint, timeout_s, echo, grace_s,
+                          logs_root, results_path)  # fmt: skip
+
+
+def _run_nodes(
+    nodes: list[Node],
+    cmds: list[list[str]],
+    envs: list[dict[str, str]],
+    script: pathlib.Path,
+    endpoint: str,
+    timeout_s: float,
+    echo: bool,
+    grace_s: float,
+    logs_root: pathlib.Path,
+    results_path: pathlib.Path | None,
+) -> MultiNodeResult:
+    start = time.perf_counter()
+    deadline = start + timeout_s
+    running: dict[int, tuple[subprocess.Popen, Any, list[str]]] = {}
+    codes: dict[int, int] = {}
+    first_failure: int | None = None
+    failed_at = 0.0
+
+    def output(i: int) -> str:
+        return "".join(running[i][2]) if i in running else ""
+
+    try:
+        while True:
+            for i, node in enumerate(nodes):
+                if i in running:
+                    continue
+                if node.start_when is None or node.start_when in output(0):
+                    if node.start_when is not None:
+                        print(f"[node {i}] starts now, joining the running job", flush=True)
+                    running[i] = jobs.start_job(cmds[i], envs[i], echo and i == 0)
+            for i, (proc, _, _) in running.items():
+                if i not in codes and proc.poll() is not None:
+                    codes[i] = proc.returncode
+                    if proc.returncode != 0 and first_failure is None:
+                        first_failure, failed_at = i, time.perf_counter()
+            if len(codes) == len(nodes):
+                break
+            now = time.perf_counter()
+            if first_failure is not None and now - failed_at > grace_s:
+                break
+            if now >= deadline:
+                raise subprocess.TimeoutExpired(cmds[0], timeout_s)
+            time.sleep(0.05)
+    except subprocess.TimeoutExpired:
+        for proc, _, _ in running.values():
+            jobs.dump_python_stacks(proc, script)
+        _stop_all(running)
+        node_logs = _node_logs(logs_root, len(nodes))
+        never = [i for i in range(len(nodes)) if not node_logs.get(i)]
+        hint = ""
+        if never:
+            hint = (
+                f"\nNode(s) {', '.join(map(str, never))} never started workers: the "
+                f"rendezvous at {endpoint} did not complete. Every node must be started, "
+                "with the same --nnodes, --rdzv-id and --rdzv-endpoint."
+            )
+        where = "".join(
+            failures.where_stuck(logs, script).replace("\n  rank", f"\n  node {i} local rank")
+            for i, logs in sorted(node_logs.items())
+        )
+        error = launch.LaunchTimeout(
+            f"{script.name} ran past its {timeout_s:g} s timeout on {len(nodes)} node(s); "
+            f"every process of every node was killed.{hint}{where}",
+            None, -signal.SIGKILL, _flatten(node_logs, running, nodes),
+        )  # fmt: skip
+        error.agent_output = {i: output(i) for i in range(len(nodes))}  # type: ignore[attr-defined]
+        raise error from None
+    finally:
+        _stop_all(running)
+    wall_s = time.perf_counter() - start
+    node_logs = _node_logs(logs_root, len(nodes))
+    outputs = {i: output(i) for i in range(len(nodes))}
+    logs = _flatten(node_logs, running, nodes, logs_root)
+    if first_failure is not None or any(codes.get(i, 1) != 0 for i in range(len(nodes))):
+        i = first_failure if first_failure is not None else 0
+        why = _explain(i, nodes[i], outputs[i], endpoint)
+        rank = failures.failing_rank(outputs[i], logs)
+        if why:
+            message = f"{script.name} failed: {why}\n--- end of node {i}'s agent ---\n" + "\n".join(
+                outputs[i].rstrip().splitlines()[-6:]
+            )
+        else:
+            where = f"rank {rank}" if rank is not None else "an unknown rank"
+            detail = failures.tail_traceback(logs.get(rank, outputs[i]) if rank is not None
+                                            else outputs[i])  # fmt: skip
+            message = (
+                f"{script.name} failed on {where} (node {i}, exit code {codes.get(i)}).\n"
+                f"--- end of {where}'s output ---\n{detail}"
+            )
+        error = launch.LaunchError(message, rank, codes.get(i, -1), logs)
+        error.agent_output = outputs  # type: ignore[attr-defined]
+        raise error
+    data = None
+    if results_path is not None:
+        if not results_path.exists():
+            raise launch.LaunchError(f"{script.name} exited cleanly but wrote no --results file",
+                                     None, 0, logs)  # fmt: skip
+        data = json.loads(results_path.read_text())
+    ranks = {i: global_ranks(outputs[i], nodes[i].nproc) or [] for i in range(len(nodes))}
+    print(f"{script.name} finished on {len(nodes)} nodes in {wall_s:.1f} s", flush=True)
+    return MultiNodeResult(logs, node_logs, ranks, outputs, data, wall_s)
+
+
+def _stop_all(running: Mapping[int, tuple[subprocess.Popen, Any, list[str]]]) -> None:
+    for proc, _, _ in running.values():
+        if proc.poll() is None:
+            jobs.kill_job(proc)
+    for _, reader, _ in running.values():
+        reader.join(timeout=5)
+
+
+def _node_logs(logs_root: pathlib.Path, n: int) -> dict[int, dict[int, str]]:
+    return {i: failures.read_rank_logs(logs_root / f"node{i}") for i in range(n)}
+
+
+def _flatten(
+    node_logs: Mapping[int, Mapping[int, str]],
+    running: Mapping[int, tuple[subprocess.Popen, Any, list[str]]],
+    nodes: Sequence[Node],
+    logs_root: pathlib.Path | None = None,
+) -> dict[int, str]:
+    """Per-rank logs keyed by global rank, from each node's last rendezvous round
+    (node index x nproc + local rank where a node's ranks are unknown)."""
+    logs: dict[int, str] = {}
+    for i, local in node_logs.items():
+        nproc = nodes[i].nproc
+        ranks = global_ranks("".join(running[i][2]), nproc) if i in running else None
+        ranks = ranks or list(range(i * nproc, (i + 1) * nproc))
+        last = _last_attempt_logs(logs_root / f"node{i}") if logs_root is not None else local
+        for local_rank, text in (last or local).items():
+            if local_rank < len(ranks):
+                logs[ranks[local_rank]] = text
+    return logs

@@ -1,0 +1,289 @@
+"""ddp_course.tools.bench: the pure functions (busbw factors, alpha-beta fit, summaries), and
+scripts/04_allreduce.py with a tiny sweep."""
+
+import csv
+import json
+import math
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from ddp_course import runtime
+from ddp_course.harness import launch
+from ddp_course.runtime import DistContext
+from ddp_course.tools import bench
+from ddp_course.tools.bench import (
+    COLLECTIVES,
+    AlphaBeta,
+    algbw,
+    busbw,
+    busbw_factor,
+    busbw_plateau,
+    fit_alpha_beta,
+    fit_each,
+    format_bytes,
+    message_sizes,
+    parameter_server_time,
+    predicted_busbw,
+    read_records,
+    ring_all_reduce_time,
+    run_metadata,
+    scaling_efficiency,
+    slowest_rank,
+    summarize,
+    time_op,
+    timing,
+    write_records,
+)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8, 16])
+def test_busbw_factors_follow_nccl_tests(n):
+    assert busbw_factor("all_reduce", n) == pytest.approx(2 * (n - 1) / n)
+    for name in ("reduce_scatter", "all_gather", "all_to_all"):
+        assert busbw_factor(name, n) == pytest.approx((n - 1) / n)
+    for name in ("broadcast", "reduce", "sendrecv"):
+        assert busbw_factor(name, n) == 1.0
+
+
+def test_busbw_of_a_known_case():
+    # 1 GB all-reduced in 1 s over 8 ranks: algbw 1 GB/s, busbw 1.75 GB/s.
+    assert algbw(1e9, 1.0) == 1e9
+    assert busbw(1e9, 1.0, "all_reduce", 8) == pytest.approx(1.75e9)
+    assert busbw(2**20, 0.5, "all_gather", 2) == pytest.approx(2**20)
+
+
+def test_bandwidth_functions_reject_bad_input():
+    with pytest.raises(ValueError, match="unknown collective"):
+        busbw_factor("allreduce", 2)
+    with pytest.raises(ValueError, match="world_size"):
+        busbw_factor("all_reduce", 0)
+    with pytest.raises(ValueError, match="seconds"):
+        algbw(10, 0.0)
+
+
+@pytest.mark.parametrize("relative", [True, False])
+def test_fit_recovers_alpha_and_beta_exactly(relative):
+    alpha, bandwidth = 350e-6, 1.1e9
+    sizes = message_sizes(4096, 64 * 2**20)
+    times = [alpha + s / bandwidth for s in sizes]
+    fit = fit_alpha_beta(sizes, times, relative=relative)
+    assert fit.alpha == pytest.approx(alpha, rel=1e-6)
+    assert fit.bandwidth == pytest.approx(bandwidth, rel=1e-6)
+    assert fit.half_bandwidth_bytes == pytest.approx(alpha * bandwidth, rel=1e-6)
+
+
+def test_fit_recovers_alpha_and_beta_from_noisy_data():
+    rng = np.random.default_rng(0)
+    alpha, beta = 400e-6, 1 / 0.9e9
+    sizes = np.repeat(message_sizes(4096, 64 * 2**20), 5)
+    times = (alpha + beta * sizes) * rng.lognormal(0.0, 0.05, size=len(sizes))
+    fit = fit_alpha_beta(sizes, times)
+    assert fit.alpha == pytest.approx(alpha, rel=0.1)
+    assert fit.beta == pytest.approx(beta, rel=0.05)
+    # Ordinary least squares is decided by the largest sizes: alpha is far off.
+    ols = fit_alpha_beta(sizes, times, relative=False)
+    assert abs(ols.alpha - alpha) > abs(fit.alpha - alpha)
+
+
+def test_fit_rejects_bad_input():
+    with pytest.raises(ValueError, match="distinct"):
+        fit_alpha_beta([10, 10], [1.0, 1.0])
+    with pytest.raises(ValueError, match="positive"):
+        fit_alpha_beta([10, 20], [1.0, 0.0])
+    with pytest.raises(ValueError, match="length"):
+        fit_alpha_beta([10, 20, 30], [1.0, 2.0])
+
+
+def test_alpha_beta_predict():
+    model = AlphaBeta(alpha=1e-3, beta=1e-9)
+    assert model.predict(1e6) == pytest.approx(2e-3)
+    assert np.allclose(model.predict(np.array([0, 1e9])), [1e-3, 1.001])
+    assert AlphaBeta(1e-3, 0.0).bandwidth == math.inf
+
+
+def test_cost_models_match_the_formulas():
+    link = AlphaBeta(alpha=1e-4, beta=1e-9)
+    s = 64e6
+    for n in (2, 3, 4, 8):
+        ring = 2 * (n - 1) * 1e-4 + 2 * (n - 1) / n * s * 1e-9
+        assert ring_all_reduce_time(s, n, link) == pytest.approx(ring)
+        assert parameter_server_time(s, n, link) == pytest.approx(2e-4 + 2 * (n - 1) * s * 1e-9)
+    assert ring_all_reduce_time(s, 1, link) == 0.0
+    assert parameter_server_time(s, 1, link) == 0.0
+    # The server's cost grows with N; the ring's tends to 2 S beta.
+    assert parameter_server_time(s, 8, link) > 3 * ring_all_reduce_time(s, 8, link)
+
+
+def test_summarize_gives_median_and_quartiles():
+    t = summarize([5.0, 1.0, 3.0, 2.0, 4.0])
+    assert (t.median, t.q1, t.q3, t.min, t.repeats) == (3.0, 2.0, 4.0, 1.0, 5)
+    assert t.iqr == 2.0
+    one = summarize([0.25])
+    assert one.median == one.q1 == one.q3 == 0.25
+    with pytest.raises(ValueError):
+        summarize([])
+
+
+def test_scaling_efficiency():
+    assert scaling_efficiency(100.0, 380.0, 4, "weak") == pytest.approx(0.95)
+    assert scaling_efficiency(10.0, 2.5, 4, "strong") == pytest.approx(1.0)
+    assert scaling_efficiency(10.0, 5.0, 4, "strong") == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="kind"):
+        scaling_efficiency(1.0, 1.0, 2, "linear")
+
+
+def test_message_sizes_and_format_bytes():
+    assert message_sizes(4096, 65536, 4) == [4096, 16384, 65536]
+    assert message_sizes(1, 1) == [1]
+    with pytest.raises(ValueError):
+        message_sizes(8, 4)
+    assert format_bytes(4096) == "4 KiB"
+    assert format_bytes(64 * 2**20) == "64 MiB"
+    assert format_bytes(1536) == "1.5 KiB"
+    assert format_bytes(100) == "100 B"
+
+
+def test_time_op_single_process_counts_calls():
+    calls = []
+
+    def fn():
+        calls.append(1)
+        time.sleep(0.002)  # sleeps at least this long: the timed window must contain it
+
+    times = time_op(fn, DistContext(), warmup=3, repeats=4)
+    assert len(calls) == 7
+    assert len(times) == 4 and min(times) >= 0.002
+    with pytest.raises(ValueError):
+        time_op(lambda: None, DistContext(), repeats=0)
+
+
+def test_script_04_tiny_sweep_under_torchrun(root):
+    args = ["--max-bytes", "16384", "--warmup", "0", "--repeats", "2"]
+    job = launch.torchrun(root / "scripts/04_allreduce.py", args, nproc=2, results=True,
+                          echo=False, timeout_s=180)  # fmt: skip
+    r = job.results
+    backend = runtime.device_plan(2, runtime.gpu_count()).backend  # nccl with 2 GPUs
+    assert (r["world_size"], r["backend"], r["sizes"]) == (2, backend, [4096, 8192, 16384])
+    k = 12_000 * 4
+    assert r["checks"]["ring"] == [[k, k, 2], [k, k, 2]]  # 2(N-1)/N K = K each way at N = 2
+    for name, collective in (("torch", "all_reduce"), ("ring", "all_reduce"),
+                             ("send", "sendrecv"), ("exchange", "sendrecv")):  # fmt: skip
+        row = r["sweep"][name]
+        assert len(row["times_s"]) == 3 and all(len(ts) == 2 for ts in row["times_s"])
+        for size, t, alg, bus in zip(r["sizes"], row["median_s"], row["algbw_GBps"],
+                                     row["busbw_GBps"], strict=True):  # fmt: skip
+            assert alg == pytest.approx(size / t / 1e9)
+            assert bus == pytest.approx(alg * busbw_factor(collective, 2))
+    # The busiest rank's rate: at N = 2 ring and server both send S bytes from every rank;
+    # the backend's own algorithm is not counted.
+    for name in ("ring", "ps", "send"):
+        row = r["sweep"][name]
+        for size, t, rate in zip(r["sizes"], row["median_s"], row["busiest_GBps"], strict=True):
+            assert rate == pytest.approx(size / t / 1e9)
+    assert r["sweep"]["torch"]["busiest_GBps"] == [None] * 3
+    assert set(r["fits"]) == {"torch", "ring", "ps", "send", "exchange"}
+    assert len(r["ring_over_torch_algbw"]) == 3
+
+
+def test_script_04_as_one_process_checks_but_does_not_sweep(root):
+    job = launch.python(root / "scripts/04_allreduce.py", results=True, echo=False)
+    assert job.results["world_size"] == 1 and "sweep" not in job.results
+    assert job.results["checks"]["ring"] == [[0, 0, 0]]
+
+
+def test_slowest_rank_takes_the_maximum_per_iteration():
+    # Rank 1 straggles in iteration 0, rank 0 in iteration 2: each iteration is its slowest.
+    assert slowest_rank([[0.1, 0.2, 0.9], [0.5, 0.2, 0.3]]) == [0.5, 0.2, 0.9]
+    assert summarize(slowest_rank([[1.0, 1.0, 1.0], [3.0, 1.0, 1.0]])).median == 1.0
+    with pytest.raises(ValueError, match="same iterations"):
+        slowest_rank([[1.0], [1.0, 2.0]])
+    with pytest.raises(ValueError, match="no ranks"):
+        slowest_rank([])
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_every_collective_fit_gives_its_busbw_plateau(n):
+    # Synthetic sweeps with known latency and algbw per collective, as the benchmark records them.
+    truth = {"all_reduce": (300e-6, 1.0e9), "all_gather": (200e-6, 2.0e9),
+             "reduce_scatter": (250e-6, 1.5e9), "broadcast": (100e-6, 3.0e9),
+             "all_to_all": (400e-6, 0.5e9)}  # fmt: skip
+    assert set(truth) == set(COLLECTIVES)
+    sizes = message_sizes(4096, 64 * 2**20)
+    rows = [{"collective": c, "bytes": s, "median_s": a + s / bw}
+            for c, (a, bw) in truth.items() for s in sizes]  # fmt: skip
+    fits = fit_each(rows)
+    assert list(fits) == list(truth)
+    for c, (a, bw) in truth.items():
+        assert fits[c].alpha == pytest.approx(a, rel=1e-6)
+        assert fits[c].bandwidth == pytest.approx(bw, rel=1e-6)
+        plateau = busbw_plateau(fits[c], c, n)
+        assert plateau == pytest.approx(bw * busbw_factor(c, n))
+        bus = predicted_busbw(fits[c], np.array(sizes, dtype=float), c, n)
+        measured = [busbw(s, a + s / bw, c, n) for s in sizes]
+        assert np.allclose(bus, measured)
+        assert np.all(np.diff(bus) > 0) and bus[-1] < plateau  # rises towards the plateau
+        half = fits[c].half_bandwidth_bytes
+        assert predicted_busbw(fits[c], half, c, n) == pytest.approx(plateau / 2)
+    # min_bytes leaves the small sizes out of the fit.
+    bent = [dict(r, median_s=1.0) if r["bytes"] < 16384 else r for r in rows]
+    assert fit_each(bent, min_bytes=16384)["all_reduce"].alpha == pytest.approx(300e-6)
+    with pytest.raises(ValueError, match="no field"):
+        fit_each([{"bytes": 1, "median_s": 1.0}])
+
+
+def test_run_metadata_names_machine_versions_load_and_command(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    meta = run_metadata(["python", str(tmp_path / "scripts/x.py"), "--mode", "tiny"])
+    assert meta["command"] == "python scripts/x.py --mode tiny"  # relative: no machine paths
+    assert meta["torch"] == torch.__version__ and meta["machine"]["cpus"] == os.cpu_count()
+    assert meta["load_average_1min"] == pytest.approx(os.getloadavg()[0], abs=2.0)
+    assert meta["threads_per_rank"] == torch.get_num_threads()
+    json.dumps(meta)  # JSON-ready
+    # Under torchrun the launcher's line is recorded, not "python".
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr("sys.argv", [str(tmp_path / "scripts/x.py"), "collectives"])
+    assert run_metadata()["command"] == "torchrun --nproc_per_node=2 scripts/x.py collectives"
+
+
+def test_write_records_json_and_csv_round_trip(tmp_path):
+    meta = {"command": "python scripts/x.py", "load_average_1min": 1.5, "torch": "2.x"}
+    rows = [
+        {"collective": "all_reduce", "bytes": 4096, "median_s": 1e-3},
+        {"collective": "broadcast", "bytes": 8192, "median_s": 2e-3, "iqr_s": 1e-4},
+    ]
+    json_path, csv_path = write_records(tmp_path / "out/10_x.json", rows, meta, fits={"a": 1})
+    assert (json_path.name, csv_path.name) == ("10_x.json", "10_x.csv")
+    back = read_records(tmp_path / "out/10_x")
+    assert back == {"meta": meta, "rows": rows, "fits": {"a": 1}}
+    with open(csv_path, newline="") as f:
+        lines = list(csv.DictReader(f))
+    assert [float(r["median_s"]) for r in lines] == [1e-3, 2e-3]
+    assert lines[0]["iqr_s"] == "" and lines[1]["iqr_s"] == "0.0001"
+    assert {r["command"] for r in lines} == {"python scripts/x.py"}
+    assert {r["load_average_1min"] for r in lines} == {"1.5"}
+    with pytest.raises(ValueError, match="flat"):
+        write_records(tmp_path / "y", [{"times": [1, 2]}], meta)
+    with pytest.raises(ValueError, match="no rows"):
+        write_records(tmp_path / "y", [], meta)
+    with pytest.raises(FileNotFoundError, match="benchmarks/README.md"):
+        read_records(tmp_path / "missing.json")
+
+
+def test_runnable_tasks_reads_the_running_count(monkeypatch):
+    # Linux's /proc/loadavg: "1min 5min 15min running/total last_pid"; the reader is running.
+    monkeypatch.setattr(timing.pathlib.Path, "exists", lambda self: True)
+    monkeypatch.setattr(timing.pathlib.Path, "read_text", lambda self: "0.50 0.40 0.30 3/100 123\n")
+    assert bench.runnable_tasks(0.0, 4) == 2.0
+    monkeypatch.setattr(timing.pathlib.Path, "read_text", lambda self: "0.50 0.40 0.30 1/100 123\n")
+    assert bench.runnable_tasks(0.0, 1) == 0.0  # only the reader: nothing else busy
+    with pytest.raises(ValueError, match="samples"):
+        bench.runnable_tasks(1.0, 0)
+
+
+def test_runnable_tasks_on_this_machine():
+    busy = bench.runnable_tasks(0.05, 2)
+    assert busy is None or busy >= 0
