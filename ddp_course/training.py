@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import pathlib
 import time
 
 import torch
@@ -26,7 +24,6 @@ __all__ = [
     "parameter_gap",
     "shard_indices",
     "train_one_epoch",
-    "write_results",
 ]
 
 
@@ -245,18 +242,6 @@ def evaluate(
         count += len(y)
     correct, loss_sum, count = _sum_over_ranks(ctx, correct, loss_sum, count)
     return {"accuracy": correct / count, "loss": loss_sum / count, "samples": int(count)}
-
-
-def write_results(ctx: DistContext, path: str | None, results: dict) -> None:
-    """Write ``results`` as JSON to ``path`` on rank 0 (no-op if ``path`` is None).
-
-    Values must be JSON types (numbers, strings, lists, dicts).
-    """
-    if path is None or not ctx.is_main:
-        return
-    out = pathlib.Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
 
 
 def parameter_gap(a: nn.Module, b: nn.Module) -> float:

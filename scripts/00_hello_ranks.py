@@ -6,7 +6,6 @@ torchrun --nproc_per_node=2 scripts/00_hello_ranks.py --results hello.json
 """
 
 import argparse
-import json
 import os
 import socket
 
@@ -14,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_course.runtime import distributed
+from ddp_course.tools.records import write_results
 
 
 def main() -> None:
@@ -40,10 +40,8 @@ def main() -> None:
                       "MASTER_ADDR", "MASTER_PORT")
             if k in os.environ
         }  # fmt: skip
-        if ctx.is_main and args.results:
-            with open(args.results, "w") as f:
-                json.dump({"world_size": ctx.world_size, "backend": ctx.backend,
-                           "sum": total.item(), "env": torchrun_vars}, f)  # fmt: skip
+        write_results(ctx, args.results, {"world_size": ctx.world_size, "backend": ctx.backend,
+                                          "sum": total.item(), "env": torchrun_vars})  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ from ddp_course.checkpoint import load_checkpoint, save_checkpoint
 from ddp_course.data import load_mnist
 from ddp_course.models import SmallCNN
 from ddp_course.runtime import DistContext, get_logger, pick_device, seed_everything
-from ddp_course.training import TrainConfig, evaluate, train_one_epoch, write_results
+from ddp_course.tools.records import write_results
+from ddp_course.training import TrainConfig, evaluate, train_one_epoch
 
 
 def train(ctx: DistContext, cfg: TrainConfig) -> None:

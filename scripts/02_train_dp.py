@@ -30,7 +30,8 @@ from ddp_course.data import load_mnist
 from ddp_course.models import SmallCNN
 from ddp_course.runtime import distributed, get_logger, seed_everything
 from ddp_course.tools.monitor import memory_bytes
-from ddp_course.training import TrainConfig, evaluate, train_one_epoch, write_results
+from ddp_course.tools.records import write_results
+from ddp_course.training import TrainConfig, evaluate, train_one_epoch
 
 
 def parse_args():

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from ddp_course.collectives import ring_reduce_scatter
 from ddp_course.harness.ports import free_port
 from ddp_course.runtime import distributed, get_logger
-from ddp_course.training import write_results
+from ddp_course.tools.records import write_results
 
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                  "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",

@@ -16,7 +16,6 @@ a fourth entry under "init".
 """
 
 import argparse
-import json
 import os
 import shutil
 import tempfile
@@ -27,6 +26,7 @@ import torch.distributed as dist
 
 from ddp_course.harness.ports import free_port
 from ddp_course.runtime import gpu_count, pick_device
+from ddp_course.tools.records import write_results
 
 
 def added_by_launcher() -> dict[str, str] | None:
@@ -129,9 +129,8 @@ def main() -> None:
         record["skipped"] = (
             f"per-device backends need one GPU per rank; {gpu_count()} GPU(s), {ranks_here} rank(s)"
         )
-    if rank == 0 and args.results:
-        with open(args.results, "w") as f:
-            json.dump(record, f, indent=1)
+    if rank == 0:
+        write_results(None, args.results, record)
 
 
 if __name__ == "__main__":

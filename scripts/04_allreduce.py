@@ -21,7 +21,6 @@ torch.cuda.synchronize (bench.time_op): nccl calls return once queued.
 
 import argparse
 import math
-import os
 
 import torch
 import torch.distributed as dist
@@ -30,7 +29,7 @@ from ddp_course.collectives import parameter_server_all_reduce, ring_all_reduce
 from ddp_course.comm_cost import parameter_server_bytes, ring_bytes
 from ddp_course.runtime import distributed, get_logger
 from ddp_course.tools.bench import algbw, busbw, fit_alpha_beta, message_sizes, summarize, time_op
-from ddp_course.training import write_results
+from ddp_course.tools.records import write_results
 
 BUSBW_OF = {"torch": "all_reduce", "ring": "all_reduce", "ps": "all_reduce",
             "send": "sendrecv", "exchange": "sendrecv"}  # fmt: skip
@@ -172,10 +171,6 @@ def main() -> None:
             "world_size": ctx.world_size,
             "backend": ctx.backend,
             "device": str(ctx.device),
-            "torch": torch.__version__,
-            "cpu_count": os.cpu_count(),
-            # Other programs on the machine skew timings: record how busy it was.
-            "load_average_1min": os.getloadavg()[0],
             "settings": {k: v for k, v in vars(args).items() if k != "results"},
             "checks": checked,
         }

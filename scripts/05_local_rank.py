@@ -12,19 +12,26 @@ process group: what it looks at is the launcher.
 """
 
 import argparse
-import json
 import os
+
+from ddp_course.tools.records import write_results
 
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                       "ROLE_RANK", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")  # fmt: skip
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("--results", help="rank 0 writes a JSON summary here")
-args = parser.parse_args()  # an unknown argument such as --local-rank=0 exits here
 
-names = sorted(k for k in os.environ if k in LAUNCHER_VARIABLES or k.startswith("TORCHELASTIC_"))
-if os.environ.get("RANK", "0") == "0":
-    print(f"rank 0: LOCAL_RANK={os.environ.get('LOCAL_RANK')}; launcher variables {names}")
-    if args.results:
-        with open(args.results, "w") as f:
-            json.dump({"variables": names, "local_rank": os.environ.get("LOCAL_RANK")}, f)
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", help="rank 0 writes a JSON summary here")
+    args = parser.parse_args()  # an unknown argument such as --local-rank=0 exits here
+    names = sorted(
+        k for k in os.environ if k in LAUNCHER_VARIABLES or k.startswith("TORCHELASTIC_")
+    )
+    if os.environ.get("RANK", "0") == "0":
+        local_rank = os.environ.get("LOCAL_RANK")
+        print(f"rank 0: LOCAL_RANK={local_rank}; launcher variables {names}")
+        write_results(None, args.results, {"variables": names, "local_rank": local_rank})
+
+
+if __name__ == "__main__":
+    main()

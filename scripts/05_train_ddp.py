@@ -38,7 +38,8 @@ from ddp_course.runtime import (
     rank0_first,
     seed_everything,
 )
-from ddp_course.training import TrainConfig, evaluate, train_one_epoch, write_results
+from ddp_course.tools.records import write_results
+from ddp_course.training import TrainConfig, evaluate, train_one_epoch
 
 
 def allreduce_sum_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -27,7 +27,8 @@ from torch.utils.data import DistributedSampler
 
 from ddp_course.data import synthetic_classification
 from ddp_course.runtime import DistContext, distributed, get_logger, no_tf32
-from ddp_course.training import parameter_gap, write_results
+from ddp_course.tools.records import write_results
+from ddp_course.training import parameter_gap
 
 CASES = ["equal shares", "batchnorm", "uneven batches", "padded duplicates",
          "dropout, seed+rank", "dropout, same seed"]  # fmt: skip

@@ -26,7 +26,8 @@ from ddp_course.checkpoint import load_checkpoint
 from ddp_course.data import load_mnist
 from ddp_course.models import SmallCNN
 from ddp_course.runtime import DistContext, distributed, get_logger, no_tf32, seed_everything
-from ddp_course.training import evaluate, write_results
+from ddp_course.tools.records import write_results
+from ddp_course.training import evaluate
 
 
 def parse_args():

@@ -1,6 +1,6 @@
 """Lesson 06: uneven inputs hang DDP; the Join context manager fixes it.
 
-    torchrun --nproc_per_node=2 scripts/06_uneven_inputs.py --timeout 5  # times out
+    torchrun --nproc_per_node=2 scripts/06_uneven_inputs.py --timeout-s 5  # times out
     torchrun --nproc_per_node=2 scripts/06_uneven_inputs.py --join --results 06_join.json
     python scripts/06_uneven_inputs.py  # one rank: nothing is uneven
 
@@ -11,7 +11,7 @@ batches leaves the loop, its peer's all-reduce waits for it forever, while
 it waits for its peer to finish. It waits through torchrun's key-value
 store, not with a collective: a barrier or an all-reduce here would meet the
 peer's gradient all-reduce, a collective of another size, which gloo lets
-time out and nccl leaves undefined. --timeout turns the wait into an error:
+time out and nccl leaves undefined. --timeout-s turns the wait into an error:
 gloo raises it in the waiting call, nccl's watchdog reports it and takes the
 process down. Under Join, a rank that ran out of data shadows the
 others' all-reduces with zeros until every rank is done, then the final
@@ -40,7 +40,7 @@ from ddp_course.runtime import (
     get_logger,
     seed_everything,
 )
-from ddp_course.training import write_results
+from ddp_course.tools.records import write_results
 
 
 def wait_for_every_rank(ctx: DistContext, timeout_s: float) -> None:
@@ -63,12 +63,12 @@ def main() -> None:
     parser.add_argument("--extra", type=int, default=2, help="more batches per higher rank")
     parser.add_argument("--batch-size", type=int, default=32, help="samples per step per rank")
     parser.add_argument("--join", action="store_true", help="train inside Join([model])")
-    parser.add_argument("--timeout", type=float, default=60, help="collective timeout, seconds")
+    parser.add_argument("--timeout-s", type=float, default=60, help="collective timeout, seconds")
     parser.add_argument("--seed", type=int, default=0, help="the same on every rank")
     parser.add_argument("--results", help="rank 0 writes a JSON summary here")
     args = parser.parse_args()
 
-    with distributed(timeout_s=args.timeout) as ctx:
+    with distributed(timeout_s=args.timeout_s) as ctx:
         log = get_logger(ctx)
         seed_everything(args.seed)
         data = synthetic_classification(64 * args.batch_size, seed=args.seed)
@@ -100,7 +100,7 @@ def main() -> None:
         log.warning(f"finished its {steps} steps")
         if ctx.is_distributed:
             # Three timeouts: a peer stuck in an all-reduce times out first.
-            wait_for_every_rank(ctx, 3 * args.timeout)
+            wait_for_every_rank(ctx, 3 * args.timeout_s)
 
         checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
         per_rank = [None] * ctx.world_size if ctx.is_distributed else [None]

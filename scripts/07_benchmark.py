@@ -17,9 +17,7 @@ and a plot next to it (same name, .png).
 
 import argparse
 import contextlib
-import os
 import pathlib
-import platform
 
 import torch
 import torch.distributed as dist
@@ -31,7 +29,7 @@ from ddp_course.ddp import BucketedDDP, NaiveDDP
 from ddp_course.models import LayerStack, resnet18_mnist
 from ddp_course.runtime import distributed, get_logger
 from ddp_course.tools.bench import summarize, time_op
-from ddp_course.training import write_results
+from ddp_course.tools.records import write_results
 
 CAPS = [0.25, 0.5, 1, 2, 5, 10, 25, 50, 100]
 
@@ -124,15 +122,13 @@ def main():
         for k, v in ratios.items():
             log.info(f"{k}: {v:.2f}")
         params = make_model(args.model, "cpu").parameters()
+        # meta: the machine, versions and load average; args: this run's flags.
         write_results(ctx, args.results, {
             "world_size": dist.get_world_size(), "device": str(dev),
-            "backend": dist.get_backend(), "torch": torch.__version__,
-            "machine": platform.machine(), "cpus": os.cpu_count(),
-            "load_average_1min": os.getloadavg()[0], "args": vars(args),
-            "parameter_tensors": len(list(params)),
+            "backend": dist.get_backend(), "parameter_tensors": len(list(params)),
             "step": steps, "accumulation": accumulation, "bucket_sweep": caps,
             "ratios": ratios,
-        })  # fmt: skip
+        }, args=vars(args))  # fmt: skip
         if ctx.is_main and args.results:
             plot(caps, pathlib.Path(args.results).with_suffix(".png"))
 

@@ -30,14 +30,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddp_course.ddp import BucketedDDP, NaiveDDP, average_gradients
 from ddp_course.models import LayerStack
 from ddp_course.runtime import distributed, get_logger, no_tf32
-from ddp_course.training import write_results
+from ddp_course.tools.records import write_results
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=3, help="SGD steps per comparison")
     p.add_argument("--batch-size", type=int, default=32, help="samples per rank per step")
-    p.add_argument("--width", type=int, default=256, help="width of the layer stack")
+    p.add_argument("--hidden", type=int, default=256, help="width of the layer stack")
     p.add_argument("--layers", type=int, default=8, help="hidden layers (2 tensors each)")
     p.add_argument("--bucket-cap-mb", type=float, default=0.5, help="bucket capacity, MB")
     p.add_argument("--accum", type=int, default=4, help="micro-batches per optimizer step")
@@ -47,7 +47,7 @@ def parse_args():
 
 def make_model(args, seed, device):
     torch.manual_seed(seed)
-    return LayerStack(784, args.width, args.layers, num_classes=10).to(device)  # NEW: device
+    return LayerStack(784, args.hidden, args.layers, num_classes=10).to(device)  # NEW: device
 
 
 def global_batches(args, world_size, steps, per_rank, device):
@@ -224,7 +224,7 @@ def main():
                                           "accumulation": accumulation,
                                           "accumulation_torch": accumulation_torch,
                                           "accum": args.accum, "bucket_cap_mb": args.bucket_cap_mb,
-                                          "width": args.width, "layers": args.layers,
+                                          "hidden": args.hidden, "layers": args.layers,
                                           "batch_size": args.batch_size})  # fmt: skip
 
 

@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddp_course.ddp import BucketedDDP
 from ddp_course.models import LayerStack
 from ddp_course.runtime import distributed, get_logger, no_tf32
-from ddp_course.training import write_results
+from ddp_course.tools.records import write_results
 
 
 def parse_args():

@@ -23,7 +23,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddp_course.data import load_mnist
 from ddp_course.models import MLP
 from ddp_course.runtime import distributed, get_logger
-from ddp_course.training import evaluate, write_results
+from ddp_course.tools.records import write_results
+from ddp_course.training import evaluate
 
 VARIANTS = ("float32", "autocast", "fp16 hook", "bf16 hook", "PowerSGD hook")
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddp_course.runtime import distributed, get_logger
-from ddp_course.training import write_results
+from ddp_course.tools.records import write_results
 
 
 class AllReduceSum(torch.autograd.Function):

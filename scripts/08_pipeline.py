@@ -26,7 +26,6 @@ for every schedule and m, the run with the least idle time.
 """
 
 import argparse
-import json
 import os
 
 import torch
@@ -37,7 +36,7 @@ from ddp_course import pipeline
 from ddp_course.harness import launch
 from ddp_course.models import LayerStack
 from ddp_course.runtime import distributed, get_logger
-from ddp_course.training import write_results
+from ddp_course.tools.records import write_results
 
 
 def parse_args():
@@ -49,7 +48,7 @@ def parse_args():
     p.add_argument("--stage-cost-s", type=float, default=0.05,
                    help="seconds each forward sleeps (backward 2x); 0: compute only")  # fmt: skip
     p.add_argument("--batch-size", type=int, default=32, help="samples per step (all stages)")
-    p.add_argument("--width", type=int, default=64, help="features between the layers")
+    p.add_argument("--hidden", type=int, default=64, help="features between the layers")
     p.add_argument("--layers", type=int, default=4, help="hidden layers of the layer stack")
     p.add_argument("--no-torch", action="store_true",
                    help="skip the comparison with torch.distributed.pipelining")  # fmt: skip
@@ -63,7 +62,7 @@ def parse_args():
 
 def whole_model(args):
     torch.manual_seed(0)  # the same weights on every rank
-    return LayerStack(in_features=784, width=args.width, num_layers=args.layers)
+    return LayerStack(in_features=784, width=args.hidden, num_layers=args.layers)
 
 
 def whole_batch(args):
@@ -175,21 +174,20 @@ def main_run(args):
         write_results(ctx, args.results,
                       {"world_size": ctx.world_size, "device": str(ctx.device),
                        "stage_cost_s": args.stage_cost_s, "batch_size": args.batch_size,
-                       "width": args.width, "layers": args.layers,
-                       "torch": torch.__version__, "runs": runs})  # fmt: skip
+                       "hidden": args.hidden, "layers": args.layers, "runs": runs})  # fmt: skip
 
 
 def sweep(args):
     """Launch this script for every number of stages; one JSON with every run."""
     if "WORLD_SIZE" in os.environ:
         raise SystemExit("--sweep launches torchrun itself: run it with plain python")
-    common = ["--batch-size", str(args.batch_size), "--width", str(args.width),
+    common = ["--batch-size", str(args.batch_size), "--hidden", str(args.hidden),
               "--layers", str(args.layers)]  # fmt: skip
     jobs = [(p, args.stage_cost_s, ["--microbatches", "1", "2", "4", "8"])
             for p in args.sweep_stages]  # fmt: skip
     # Real compute on 2 stages, wider layers so that compute outweighs messages.
-    jobs.append((2, 0.0, ["--microbatches", "1", "2", "4", "8", "--width", "1024"]))
-    out = {"torch": torch.__version__, "load_average_1min": os.getloadavg()[0], "jobs": []}
+    jobs.append((2, 0.0, ["--microbatches", "1", "2", "4", "8", "--hidden", "1024"]))
+    out = {"jobs": []}
     for p, cost, extra in jobs:
         repeats = [
             launch.torchrun(__file__, [*common, *extra, "--stage-cost-s", str(cost)],
@@ -205,8 +203,7 @@ def sweep(args):
         job["repeats"] = len(repeats)
         out["jobs"].append(job)
     out["load_average_1min_end"] = os.getloadavg()[0]
-    with open(args.results, "w") as f:
-        json.dump(out, f)
+    write_results(None, args.results, out)  # meta: the load average when it began
     print(f"wrote {len(out['jobs'])} jobs to {os.path.relpath(args.results)}")
 
 

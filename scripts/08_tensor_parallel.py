@@ -31,7 +31,7 @@ from torch.nn.functional import mse_loss
 from ddp_course import comm_cost
 from ddp_course import tensor_parallel as tp
 from ddp_course.runtime import distributed, get_logger
-from ddp_course.training import write_results
+from ddp_course.tools.records import write_results
 
 
 def parse_args():

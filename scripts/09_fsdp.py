@@ -51,7 +51,7 @@ from ddp_course.data import synthetic_classification
 from ddp_course.models import MLP
 from ddp_course.runtime import distributed, get_logger, no_tf32, pick_backend, pick_device
 from ddp_course.sharding import FP32_ADAM, CollectiveBytes, held_bytes, state_bytes_per_rank
-from ddp_course.training import write_results
+from ddp_course.tools.records import write_results
 
 # CommDebugMode's module tracker uses full backward hooks, which warn on the first layer.
 warnings.filterwarnings("ignore", message="Full backward hook is firing")

@@ -39,7 +39,7 @@ from ddp_course.sharding import (
     held_bytes,
     state_bytes_per_rank,
 )
-from ddp_course.training import write_results
+from ddp_course.tools.records import write_results
 
 # SGD without momentum steps by lr x gradient, so a gradient off by a factor shows in
 # the parameters; Adam divides by the gradient's own size and hides it.

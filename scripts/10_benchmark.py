@@ -63,10 +63,9 @@ from ddp_course.tools.bench import (
     busbw_plateau,
     fit_each,
     message_sizes,
-    run_metadata,
     summarize,
-    write_records,
 )
+from ddp_course.tools.records import write_results
 from ddp_course.tools.scaling import (
     StepTimeModel,
     comm_can_overlap,
@@ -78,8 +77,8 @@ from ddp_course.tools.scaling import (
 from ddp_course.tools.trace import load_trace, overlap_report, slim_trace
 
 MODES = ["collectives", "scaling", "knobs", "model", "trace"]
-TINY = {"min_bytes": 4096, "max_bytes": 65536, "repeats": 2, "warmup": 1, "width": 64,
-        "layers": 2, "batch": 8, "caps": [0.01, 1.0], "steps": 2}  # fmt: skip
+TINY = {"min_bytes": 4096, "max_bytes": 65536, "repeats": 2, "warmup": 1, "hidden": 64,
+        "layers": 2, "batch_size": 8, "caps": [0.01, 1.0], "steps": 2}  # fmt: skip
 
 
 def parse_args():
@@ -89,9 +88,9 @@ def parse_args():
     p.add_argument("--max-bytes", type=int, default=64 * 2**20, help="largest message")
     p.add_argument("--warmup", type=int, default=2, help="untimed iterations per setting")
     p.add_argument("--repeats", type=int, default=10, help="timed iterations per setting")
-    p.add_argument("--width", type=int, default=1024, help="LayerStack width (the model)")
+    p.add_argument("--hidden", type=int, default=1024, help="LayerStack width (the model)")
     p.add_argument("--layers", type=int, default=6, help="LayerStack hidden layers")
-    p.add_argument("--batch", type=int, default=32, help="samples per rank (strong: global)")
+    p.add_argument("--batch-size", type=int, default=32, help="samples per rank (strong: global)")
     p.add_argument("--caps", type=float, nargs="+", default=[0.5, 1, 2, 5, 10, 25, 50],
                    help="bucket_cap_mb values (knobs, model)")  # fmt: skip
     p.add_argument("--accum", type=int, default=4, help="micro-batches per step (no_sync)")
@@ -159,7 +158,7 @@ def stats(times):
 
 def make_model(args, device):
     torch.manual_seed(0)
-    return LayerStack(784, args.width, args.layers).to(device)
+    return LayerStack(784, args.hidden, args.layers).to(device)
 
 
 def batch(n, device, seed=0):
@@ -250,7 +249,7 @@ def run_scaling(ctx, args, log):
         # rank using all cores, which oversubscribes them from 2 ranks on.
         variants = [("strong", 1), ("weak", 1)] + ([("weak", cpus)] if cpus > 1 else [])
         for kind, threads in variants:
-            per_rank = max(1, args.batch // n) if kind == "strong" else args.batch
+            per_rank = max(1, args.batch_size // n) if kind == "strong" else args.batch_size
             name = (kind, n, threads)
             where[name] = n
             x, y = batch(per_rank, ctx.device)
@@ -264,7 +263,7 @@ def run_scaling(ctx, args, log):
     # DDP's own cost at one rank: the same step without the wrapper.
     plain = ("plain", 1, 1)
     where[plain] = 1
-    x, y = batch(args.batch, ctx.device)
+    x, y = batch(args.batch_size, ctx.device)
     per_rank_batch[plain] = len(x)
     step = train_step(make_model(args, ctx.device), x, y)
     settings[plain] = with_threads(1, step)
@@ -282,7 +281,7 @@ def run_scaling(ctx, args, log):
     for kind in ("strong", "weak"):
         mine = sorted((r for r in fair if r["kind"] == kind), key=lambda r: r["world_size"])
         table = efficiency_table([r["world_size"] for r in mine],
-                                 [r["median_s"] for r in mine], kind, args.batch)  # fmt: skip
+                                 [r["median_s"] for r in mine], kind, args.batch_size)  # fmt: skip
         summary[kind] = table
         ns, sp = [r["world_size"] for r in table], [r["speedup"] for r in table]
         if len(ns) > 1:
@@ -308,7 +307,7 @@ def with_threads(threads, fn):
 
 def run_knobs(ctx, args, log):
     dev = ctx.device
-    x, y = batch(args.batch, dev, seed=ctx.rank)
+    x, y = batch(args.batch_size, dev, seed=ctx.rank)
     settings = {}
     for cap in args.caps:
         settings[f"torch DDP cap={cap:g}"] = train_step(DDP(make_model(args, dev),
@@ -320,7 +319,7 @@ def run_knobs(ctx, args, log):
         model = DDP(make_model(args, dev))
         model.register_comm_hook(None, hook)
         settings[f"{name} hook cap=25"] = train_step(model, x, y)
-    xs, ys = x[: max(1, args.batch // args.accum)], y[: max(1, args.batch // args.accum)]
+    xs, ys = x[: max(1, args.batch_size // args.accum)], y[: max(1, args.batch_size // args.accum)]
     settings["sync every micro-batch"] = train_step(DDP(make_model(args, dev)), xs, ys,
                                                     accum=args.accum)  # fmt: skip
     settings["no_sync"] = train_step(DDP(make_model(args, dev)), xs, ys, accum=args.accum,
@@ -394,7 +393,7 @@ def rank0_medians(ctx, phases, warmup):
 
 def run_model(ctx, args, log):
     dev, n = ctx.device, ctx.world_size
-    x, y = batch(args.batch, dev, seed=ctx.rank)
+    x, y = batch(args.batch_size, dev, seed=ctx.rank)
     # NEW: a prediction of N ranks from one rank. Rank 0 alone times forward, backward and
     # optimizer through the same wrapper in a group of one rank (its hooks and copies, all but
     # the communication) while the other ranks wait: what a one-rank job measures, interleaved
@@ -497,7 +496,7 @@ def run_trace(ctx, args, log):
     from torch.profiler import ProfilerActivity, profile, record_function
 
     dev = ctx.device
-    x, y = batch(args.batch, dev, seed=ctx.rank)
+    x, y = batch(args.batch_size, dev, seed=ctx.rank)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     wrappers = {
         "torch DDP cap=1": lambda: DDP(make_model(args, dev), bucket_cap_mb=1),
@@ -564,12 +563,10 @@ def main():
         for mode in args.modes:
             mode_rows, summary[mode] = RUN[mode](ctx, args, log)
             rows += mode_rows
-        if ctx.is_main and args.results:
-            shown = {k: v for k, v in vars(args).items() if k != "hide"}
-            meta = run_metadata() | {"world_size": ctx.world_size, "backend": ctx.backend,
-                                     "device": str(ctx.device), "args": shown}  # fmt: skip
-            json_path, csv_path = write_records(args.results, rows, meta, summary=summary)
-            log.info(f"wrote {json_path.name} and {csv_path.name}")
+        shown = {k: v for k, v in vars(args).items() if k != "hide"}
+        path = write_results(ctx, args.results, {"summary": summary}, rows=rows, args=shown)
+        if path is not None:
+            log.info(f"wrote {path.name} and {path.with_suffix('.csv').name}")
 
 
 if __name__ == "__main__":

@@ -1,15 +1,15 @@
 """Lesson 11: fault-tolerant training that resumes from a snapshot after a restart.
 
 Run from the repository root:
-    python scripts/11_train.py --epochs 2 --snapshot build/11/snapshot.pt
-    torchrun --nproc_per_node=2 scripts/11_train.py --epochs 2 --snapshot build/11/snapshot.pt
+    python scripts/11_train.py --epochs 2 --checkpoint build/11/snapshot.pt
+    torchrun --nproc_per_node=2 scripts/11_train.py --epochs 2 --checkpoint build/11/snapshot.pt
     torchrun --nproc_per_node=2 --max-restarts=1 --rdzv-backend=c10d \\
         --rdzv-endpoint=127.0.0.1:29400 scripts/11_train.py --epochs 2 \\
-        --snapshot build/11/killed.pt --die-at-step 70 --die-rank 1
+        --checkpoint build/11/killed.pt --die-at-step 70 --die-rank 1
 
 The snapshot (model, optimizer, epoch, step, RNG states, the sampler's epoch
 and the world sizes seen) is written atomically by rank 0 at every epoch end
-and every --snapshot-every steps; a start that finds one resumes from it. With
+and every --checkpoint-every steps; a start that finds one resumes from it. With
 --die-at-step K --die-rank R, rank R kills itself with SIGKILL before global
 step K, on the first attempt only (TORCHELASTIC_RESTART_COUNT 0), so torchrun's
 --max-restarts has something deterministic to restart. Each rank also prints
@@ -42,7 +42,8 @@ from ddp_course.checkpoint import (
 from ddp_course.data import MNIST_MEAN, MNIST_STD, load_mnist
 from ddp_course.models import MLP
 from ddp_course.runtime import DistContext, distributed, get_logger, seed_everything
-from ddp_course.training import evaluate, write_results
+from ddp_course.tools.records import write_results
+from ddp_course.training import evaluate
 
 
 def parse_args() -> argparse.Namespace:
@@ -51,8 +52,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32, help="samples per step per rank")
     p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (momentum 0.9)")
     p.add_argument("--seed", type=int, default=0, help="the same on every rank")
-    p.add_argument("--snapshot", help="snapshot file: resume from it, save to it")
-    p.add_argument("--snapshot-every", type=int, default=0,
+    p.add_argument("--checkpoint", help="snapshot file: resume from it, save to it")
+    p.add_argument("--checkpoint-every", type=int, default=0,
                    help="also save every N steps (0: at epoch ends only)")  # fmt: skip
     p.add_argument("--die-at-step", type=int, help="global step at which --die-rank is killed")
     p.add_argument("--max-steps", type=int, help="stop each epoch after this many steps (tests)")
@@ -75,8 +76,8 @@ def parse_args() -> argparse.Namespace:
     for name in ("epochs", "batch_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.snapshot_every < 0:
-        p.error("--snapshot-every must be 0 (epoch ends only) or positive")
+    if args.checkpoint_every < 0:
+        p.error("--checkpoint-every must be 0 (epoch ends only) or positive")
     return args
 
 
@@ -149,8 +150,8 @@ def train(ctx: DistContext, args: argparse.Namespace) -> None:
 
     # Resume: everything that decides the next step comes from the snapshot.
     epoch, step, loss_sum, seen, world_sizes, resumed_from = 0, 0, 0.0, 0, [], None
-    if args.snapshot and os.path.exists(args.snapshot):
-        snap = load_checkpoint(args.snapshot, model, optimizer, map_location=ctx.device)
+    if args.checkpoint and os.path.exists(args.checkpoint):
+        snap = load_checkpoint(args.checkpoint, model, optimizer, map_location=ctx.device)
         epoch, step = snap["epoch"], snap["step"]
         world_sizes = list(snap["world_sizes"])
         # The snapshot holds the job's running sums: rank 0 carries them on, the other
@@ -167,12 +168,12 @@ def train(ctx: DistContext, args: argparse.Namespace) -> None:
     world_sizes.append(ctx.world_size)
 
     def snapshot(next_epoch: int, next_step: int) -> None:
-        if args.snapshot:
+        if args.checkpoint:
             # Every rank's running loss, not only the saving rank's (nccl: on the GPU).
             sums = torch.tensor([loss_sum, seen], dtype=torch.float64, device=ctx.device)
             if ctx.is_distributed:
                 dist.all_reduce(sums)
-            save_checkpoint(ctx, args.snapshot, model, optimizer, epoch=next_epoch,
+            save_checkpoint(ctx, args.checkpoint, model, optimizer, epoch=next_epoch,
                             step=next_step, loss_sum=sums[0].item(), samples=int(sums[1]),
                             sampler_epoch=sampler.epoch, world_size=ctx.world_size,
                             world_sizes=world_sizes, rng=rng_states())  # fmt: skip
@@ -197,7 +198,7 @@ def train(ctx: DistContext, args: argparse.Namespace) -> None:
             seen += len(idx)
             if args.step_sleep:
                 time.sleep(args.step_sleep)
-            if args.snapshot_every and (global_step + 1) % args.snapshot_every == 0:
+            if args.checkpoint_every and (global_step + 1) % args.checkpoint_every == 0:
                 snapshot(epoch, s + 1)
         total = torch.tensor([loss_sum, seen], dtype=torch.float64, device=ctx.device)  # nccl: GPU
         if ctx.is_distributed:

@@ -53,7 +53,7 @@ from ddp_course.ddp import average_gradients
 from ddp_course.models import MLP
 from ddp_course.runtime import distributed, get_logger
 from ddp_course.tools import debug
-from ddp_course.training import write_results
+from ddp_course.tools.records import write_results
 
 LABS = ("mismatch", "rank0_only", "unused", "shapes", "set_epoch", "divergent")
 

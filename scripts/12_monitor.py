@@ -29,7 +29,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from ddp_course.models import MLP
 from ddp_course.runtime import distributed, get_logger
 from ddp_course.tools import monitor
-from ddp_course.training import write_results
+from ddp_course.tools.records import write_results
 
 
 def parse_args():

@@ -84,14 +84,14 @@ def test_restart_loop(root, tmp_path):
     loopback); each must resume and end with the uninterrupted run's parameters."""
     n = int(os.environ["DDP_COURSE_RESTART_LOOP"])
     script, args = root / "scripts" / "11_train.py", ["--epochs", "2"]
-    ref = launch.torchrun(script, [*args, "--snapshot", str(tmp_path / "ref.pt")],
+    ref = launch.torchrun(script, [*args, "--checkpoint", str(tmp_path / "ref.pt")],
                           results=True, echo=False).results  # fmt: skip
     outcomes = []
     for i in range(n):
         try:
             r = launch.torchrun(
                 script,
-                [*args, "--snapshot", str(tmp_path / f"k{i}.pt"), "--die-at-step", "70",
+                [*args, "--checkpoint", str(tmp_path / f"k{i}.pt"), "--die-at-step", "70",
                  "--die-rank", "1"],
                 results=True, echo=False, timeout_s=240, extra_torchrun_args=["--max-restarts=1"],
             ).results  # fmt: skip

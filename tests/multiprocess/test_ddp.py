@@ -27,7 +27,7 @@ def job(request):
     nproc = request.param
     run = launch.torchrun(WORKERS / "ddp_internals_equivalence.py", ["--steps", "3"],
                           nproc=nproc, results=True, echo=False, timeout_s=240)  # fmt: skip
-    return nproc, run.results
+    return nproc, run.results["per_rank"]
 
 
 def test_every_rank_reports(job):
@@ -140,7 +140,7 @@ def test_layer_unused_on_some_ranks_counts_as_zero_like_torch():
     # left holding step 0's gradient would pass every other test here.
     run = launch.torchrun(WORKERS / "ddp_unused_on_some_ranks.py", nproc=2, results=True,
                           echo=False, timeout_s=240)  # fmt: skip
-    for rank, steps in enumerate(run.results):
+    for rank, steps in enumerate(run.results["per_rank"]):
         assert [s["uses"] for s in steps] == [[True, True], [True, False], [False, False],
                                               [True, True]]  # fmt: skip
         # Step 1 is the case: a gradient of the layer exists, from rank 0 only.

@@ -619,7 +619,7 @@ from ddp_course.runtime import distributed
 
 def make_model(args, seed):
     torch.manual_seed(seed)
-    return LayerStack(784, args.width, args.layers, num_classes=10)
+    return LayerStack(784, args.hidden, args.layers, num_classes=10)
 
 def global_batches(args, world_size, steps, per_rank):
     gen = torch.Generator().manual_seed(1)
@@ -680,9 +680,9 @@ FLAGGED_BEFORE_FIX = {
     "07_lr_scaling.py": {53, 75},
 }
 # The package's modules those scripts imported, by their names today.
-RENAMED_SINCE = {
-    "ddp_course.engine": "ddp_course.training",
-    "ddp_course.parallel": "ddp_course.data_parallel",
+RENAMED_SINCE = {  # old name -> new name
+    "ddp_course." + "engine": "ddp_course.training",
+    "ddp_course." + "parallel": "ddp_course.data_parallel",
 }
 
 

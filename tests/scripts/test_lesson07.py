@@ -9,7 +9,7 @@ import pytest
 from ddp_course.harness import launch
 
 PLAIN = {
-    "07_ddp_from_scratch.py": ["--steps", "1", "--width", "32", "--layers", "2", "--accum", "2",
+    "07_ddp_from_scratch.py": ["--steps", "1", "--hidden", "32", "--layers", "2", "--accum", "2",
                                "--batch-size", "4"],
     "07_ddp_knobs.py": ["--steps", "1", "--mem-width", "64"],
     "07_sync_batchnorm.py": [],

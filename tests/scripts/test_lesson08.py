@@ -52,7 +52,7 @@ def test_pipeline_as_plain_python(root):
     # Sleeping stages: with compute alone a step lasts milliseconds, and the loop's own
     # overhead between actions could pass for idle time.
     args = ["--microbatches", "3", "4", "--stage-cost-s", "0.02", "--batch-size", str(BATCH),
-            "--width", str(WIDTH)]  # fmt: skip
+            "--hidden", str(WIDTH)]  # fmt: skip
     r = launch.python(root / "scripts/08_pipeline.py", args, results=True, echo=False,
                       timeout_s=120).results  # fmt: skip
     check_common(r, 1)
@@ -86,7 +86,7 @@ def test_pipeline_bubble_and_memory_under_torchrun(root, p):
     ms = MICROBATCHES[p]
     args = ["--schedule", "gpipe", "1f1b", "--microbatches", *map(str, ms),
             "--stage-cost-s", str(COST_S[p]), "--batch-size", str(BATCH),
-            "--width", str(WIDTH), "--no-torch"]  # fmt: skip
+            "--hidden", str(WIDTH), "--no-torch"]  # fmt: skip
 
     def job():
         return launch.torchrun(root / "scripts/08_pipeline.py", args, nproc=p, results=True,

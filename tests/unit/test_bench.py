@@ -1,15 +1,11 @@
 """ddp_course.tools.bench: the pure functions (busbw factors, alpha-beta fit, summaries), and
 scripts/04_allreduce.py with a tiny sweep."""
 
-import csv
-import json
 import math
-import os
 import time
 
 import numpy as np
 import pytest
-import torch
 
 from ddp_course import runtime
 from ddp_course.harness import launch
@@ -28,15 +24,12 @@ from ddp_course.tools.bench import (
     message_sizes,
     parameter_server_time,
     predicted_busbw,
-    read_records,
     ring_all_reduce_time,
-    run_metadata,
     scaling_efficiency,
     slowest_rank,
     summarize,
     time_op,
     timing,
-    write_records,
 )
 
 
@@ -233,44 +226,6 @@ def test_every_collective_fit_gives_its_busbw_plateau(n):
     assert fit_each(bent, min_bytes=16384)["all_reduce"].alpha == pytest.approx(300e-6)
     with pytest.raises(ValueError, match="no field"):
         fit_each([{"bytes": 1, "median_s": 1.0}])
-
-
-def test_run_metadata_names_machine_versions_load_and_command(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    meta = run_metadata(["python", str(tmp_path / "scripts/x.py"), "--mode", "tiny"])
-    assert meta["command"] == "python scripts/x.py --mode tiny"  # relative: no machine paths
-    assert meta["torch"] == torch.__version__ and meta["machine"]["cpus"] == os.cpu_count()
-    assert meta["load_average_1min"] == pytest.approx(os.getloadavg()[0], abs=2.0)
-    assert meta["threads_per_rank"] == torch.get_num_threads()
-    json.dumps(meta)  # JSON-ready
-    # Under torchrun the launcher's line is recorded, not "python".
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    monkeypatch.setattr("sys.argv", [str(tmp_path / "scripts/x.py"), "collectives"])
-    assert run_metadata()["command"] == "torchrun --nproc_per_node=2 scripts/x.py collectives"
-
-
-def test_write_records_json_and_csv_round_trip(tmp_path):
-    meta = {"command": "python scripts/x.py", "load_average_1min": 1.5, "torch": "2.x"}
-    rows = [
-        {"collective": "all_reduce", "bytes": 4096, "median_s": 1e-3},
-        {"collective": "broadcast", "bytes": 8192, "median_s": 2e-3, "iqr_s": 1e-4},
-    ]
-    json_path, csv_path = write_records(tmp_path / "out/10_x.json", rows, meta, fits={"a": 1})
-    assert (json_path.name, csv_path.name) == ("10_x.json", "10_x.csv")
-    back = read_records(tmp_path / "out/10_x")
-    assert back == {"meta": meta, "rows": rows, "fits": {"a": 1}}
-    with open(csv_path, newline="") as f:
-        lines = list(csv.DictReader(f))
-    assert [float(r["median_s"]) for r in lines] == [1e-3, 2e-3]
-    assert lines[0]["iqr_s"] == "" and lines[1]["iqr_s"] == "0.0001"
-    assert {r["command"] for r in lines} == {"python scripts/x.py"}
-    assert {r["load_average_1min"] for r in lines} == {"1.5"}
-    with pytest.raises(ValueError, match="flat"):
-        write_records(tmp_path / "y", [{"times": [1, 2]}], meta)
-    with pytest.raises(ValueError, match="no rows"):
-        write_records(tmp_path / "y", [], meta)
-    with pytest.raises(FileNotFoundError, match="benchmarks/README.md"):
-        read_records(tmp_path / "missing.json")
 
 
 def test_runnable_tasks_reads_the_running_count(monkeypatch):

@@ -23,7 +23,7 @@ from ddp_course.collectives import (
 from ddp_course.comm_cost import parameter_server_bytes, ring_bytes
 from ddp_course.partition import partition
 from ddp_course.runtime import distributed
-from ddp_course.training import write_results
+from ddp_course.tools.records import write_results
 
 DTYPES = (torch.float32, torch.float64, torch.int64, torch.int32)
 CROSS = (torch.float32, torch.int64)  # dtypes checked with every op, not only sum

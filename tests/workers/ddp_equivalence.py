@@ -8,7 +8,6 @@ parameters at construction.
 
 import argparse
 import dataclasses
-import json
 
 import torch
 import torch.distributed as dist
@@ -17,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddp_course.data import synthetic_classification
 from ddp_course.models import MLP
 from ddp_course.runtime import distributed
+from ddp_course.tools.records import write_results
 from ddp_course.training import evaluate
 
 parser = argparse.ArgumentParser()
@@ -61,10 +61,18 @@ with distributed() as ctx:
     distributed_eval = evaluate(model.module, data, ctx, batch_size=8)
     gathered = [None] * n
     dist.all_gather_object(gathered, distributed_eval)
-    if ctx.is_main and args.results:
+    if ctx.is_main:
         single = evaluate(
             reference, data, dataclasses.replace(ctx, rank=0, world_size=1, backend=None)
         )
-        with open(args.results, "w") as f:
-            json.dump({"world_size": n, "broadcast_ok": broadcast_ok, "max_diff": max_diff,
-                       "eval_per_rank": gathered, "eval_single": single}, f)  # fmt: skip
+        write_results(
+            ctx,
+            args.results,
+            {
+                "world_size": n,
+                "broadcast_ok": broadcast_ok,
+                "max_diff": max_diff,
+                "eval_per_rank": gathered,
+                "eval_single": single,
+            },
+        )

@@ -8,7 +8,6 @@ wrapped model, a plain reference model on the whole global batch.
 
 import argparse
 import contextlib
-import json
 
 import torch
 import torch.distributed as dist
@@ -18,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_course.ddp import BucketedDDP, NaiveDDP, average_gradients
 from ddp_course.runtime import distributed
+from ddp_course.tools.records import write_results
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=4)
@@ -220,6 +220,4 @@ with distributed() as ctx:
 
     gathered = [None] * n
     dist.all_gather_object(gathered, results)
-    if ctx.is_main and args.results:
-        with open(args.results, "w") as f:
-            json.dump(gathered, f)
+    write_results(ctx, args.results, {"per_rank": gathered})

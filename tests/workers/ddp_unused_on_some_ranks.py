@@ -10,7 +10,6 @@ largest difference of every gradient and parameter from torch's to ``--results``
 """
 
 import argparse
-import json
 
 import torch
 import torch.distributed as dist
@@ -20,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_course.ddp import BucketedDDP
 from ddp_course.runtime import distributed
+from ddp_course.tools.records import write_results
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--results")
@@ -75,6 +75,4 @@ with distributed() as ctx:
         })  # fmt: skip
     gathered = [None] * ctx.world_size
     dist.all_gather_object(gathered, steps)
-    if ctx.is_main and args.results:
-        with open(args.results, "w") as f:
-            json.dump(gathered, f)
+    write_results(ctx, args.results, {"per_rank": gathered})

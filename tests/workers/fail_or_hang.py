@@ -5,12 +5,12 @@ wait in a recv from rank 0, which never sends.
 """
 
 import argparse
-import json
 
 import torch
 import torch.distributed as dist
 
 from ddp_course.runtime import distributed
+from ddp_course.tools.records import write_results
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--fail-rank", type=int)
@@ -28,6 +28,4 @@ with distributed() as ctx:
         dist.recv(torch.zeros(1), src=0)
     if ctx.is_distributed:
         dist.barrier()
-    if args.results and ctx.is_main:
-        with open(args.results, "w") as f:
-            json.dump({"world_size": ctx.world_size}, f)
+    write_results(ctx, args.results, {"world_size": ctx.world_size})

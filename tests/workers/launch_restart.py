@@ -5,13 +5,13 @@ Runs as ``torchrun --nproc_per_node=2 --max-restarts=1 tests/workers/launch_rest
 """
 
 import argparse
-import json
 import os
 
 import torch
 import torch.distributed as dist
 
 from ddp_course.runtime import distributed
+from ddp_course.tools.records import write_results
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--results")
@@ -24,6 +24,4 @@ with distributed() as ctx:
     total = torch.tensor([ctx.rank + 1.0])
     if ctx.is_distributed:
         dist.all_reduce(total)
-    if args.results and ctx.is_main:
-        with open(args.results, "w") as f:
-            json.dump({"attempt": attempt, "sum_of_ranks_plus_one": total.item()}, f)
+    write_results(ctx, args.results, {"attempt": attempt, "sum_of_ranks_plus_one": total.item()})

@@ -9,7 +9,6 @@ used), to test the device rule on a CPU machine.
 """
 
 import argparse
-import json
 import os
 import pathlib
 import time
@@ -17,6 +16,7 @@ import time
 import torch
 
 from ddp_course.runtime import DEVICE_ENV, barrier, distributed
+from ddp_course.tools.records import write_results
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--sleep", type=float, default=0.0, help="seconds to sleep in the group")
@@ -37,7 +37,12 @@ with distributed() as ctx:
         pathlib.Path(args.ready_dir, f"rank{ctx.rank}").touch()
     time.sleep(args.sleep)
     barrier(ctx)
-    if args.results and ctx.is_main:
-        with open(args.results, "w") as f:
-            json.dump({"device": str(ctx.device), "backend": ctx.backend,
-                       "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME")}, f)  # fmt: skip
+    write_results(
+        ctx,
+        args.results,
+        {
+            "device": str(ctx.device),
+            "backend": ctx.backend,
+            "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
+        },
+    )

@@ -8,7 +8,6 @@ each schedule with sleeping stages (the bubble against the formula).
 """
 
 import argparse
-import json
 
 import torch
 import torch.distributed as dist
@@ -17,6 +16,7 @@ from torch.nn.functional import cross_entropy
 from ddp_course import pipeline
 from ddp_course.models import LayerStack
 from ddp_course.runtime import distributed
+from ddp_course.tools.records import write_results
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--microbatches", type=int, default=4)
@@ -85,7 +85,6 @@ with distributed(device="cpu") as ctx:
         tl = pipeline.gather_timeline(timed)
         out["timelines"][name] = tl.to_records()
 
-    if ctx.is_main and args.results:
+    if ctx.is_main:
         out.update(world_size=p, microbatches=m)
-        with open(args.results, "w") as f:
-            json.dump(out, f)
+        write_results(ctx, args.results, out)

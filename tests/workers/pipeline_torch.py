@@ -7,7 +7,6 @@ loss must agree (equal micro-batches: torch scales gradients by 1/m).
 """
 
 import argparse
-import json
 
 import torch
 import torch.distributed as dist
@@ -17,6 +16,7 @@ from torch.nn.functional import cross_entropy
 from ddp_course import pipeline
 from ddp_course.models import LayerStack
 from ddp_course.runtime import distributed
+from ddp_course.tools.records import write_results
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--microbatches", type=int, default=4)
@@ -65,6 +65,4 @@ with distributed(device="cpu") as ctx:
         gathered = [None] * p
         dist.all_gather_object(gathered, {"grad_diff": diff, "loss_gap": loss_gap})
         out[name] = gathered
-    if ctx.is_main and args.results:
-        with open(args.results, "w") as f:
-            json.dump({"world_size": p, "schedules": out}, f)
+    write_results(ctx, args.results, {"world_size": p, "schedules": out})

@@ -15,7 +15,8 @@ from ddp_course.checkpoint import load_checkpoint
 from ddp_course.data import load_mnist
 from ddp_course.models import MLP
 from ddp_course.runtime import distributed
-from ddp_course.training import evaluate, write_results
+from ddp_course.tools.records import write_results
+from ddp_course.training import evaluate
 
 
 def main() -> None:

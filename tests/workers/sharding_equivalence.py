@@ -9,7 +9,6 @@ each rank holds after a step, and the collective volume of one step.
 """
 
 import argparse
-import json
 import warnings
 
 import torch
@@ -21,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddp_course.models import MLP
 from ddp_course.runtime import distributed
 from ddp_course.sharding import FP32_ADAM, ZeRO, held_bytes, state_bytes_per_rank
+from ddp_course.tools.records import write_results
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=4)
@@ -190,6 +190,4 @@ with distributed() as ctx:
         out["mismatch_error"] = None
     except ValueError as error:
         out["mismatch_error"] = str(error)
-    if ctx.is_main and args.results:
-        with open(args.results, "w") as f:
-            json.dump(out, f)
+    write_results(ctx, args.results, out)

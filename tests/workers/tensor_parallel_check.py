@@ -16,7 +16,6 @@ and compares it with ours, counting both with ``CommDebugMode``.
 
 import argparse
 import contextlib
-import json
 
 import torch
 import torch.distributed as dist
@@ -32,6 +31,7 @@ from torch.nn.functional import mse_loss
 
 from ddp_course import tensor_parallel as tp
 from ddp_course.runtime import distributed
+from ddp_course.tools.records import write_results
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--d-model", type=int, default=8)
@@ -235,6 +235,4 @@ with distributed(device="cpu") as ctx:
     gathered = [None] * ctx.world_size
     dist.all_gather_object(gathered, mine)
     out["torch"] = gathered
-    if ctx.is_main and args.results:
-        with open(args.results, "w") as f:
-            json.dump(out, f)
+    write_results(ctx, args.results, out)

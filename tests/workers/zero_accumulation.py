@@ -16,7 +16,6 @@ to the one-process run and how far DDP moved the parameters:
 """
 
 import argparse
-import json
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddp_course.models import MLP
 from ddp_course.runtime import distributed, no_tf32
 from ddp_course.sharding import ZeRO
+from ddp_course.tools.records import write_results
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=3)
@@ -114,6 +114,4 @@ with distributed() as ctx:
         train(ctx, zero, zero.step, zero.zero_grad)
         full = zero.full_parameters()
         out[name] = (flat(full) - flat(reference)).abs().max().item()
-    if ctx.is_main and args.results:
-        with open(args.results, "w") as f:
-            json.dump(out, f)
+    write_results(ctx, args.results, out)

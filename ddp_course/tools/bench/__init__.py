@@ -18,8 +18,8 @@ iterations after warm-up, with the interquartile range as the spread
 (nccl-tests reports the mean over iterations).
 
 One idea per module: :mod:`.bandwidth` (algbw, busbw, sweep sizes), :mod:`.timing`
-(timing every rank at once), :mod:`.cost_models` (alpha-beta fits and what they
-predict) and :mod:`.records` (result files); everything is importable from here.
+(timing every rank at once) and :mod:`.cost_models` (alpha-beta fits and what they
+predict); everything is importable from here. Result files: :mod:`ddp_course.tools.records`.
 """
 
 from .bandwidth import (
@@ -42,7 +42,6 @@ from .cost_models import (
     ring_all_reduce_time,
     scaling_efficiency,
 )
-from .records import read_records, run_metadata, write_records
 from .timing import Timing, runnable_tasks, slowest_rank, summarize, time_op
 
 __all__ = [
@@ -61,13 +60,10 @@ __all__ = [
     "message_sizes",
     "parameter_server_time",
     "predicted_busbw",
-    "read_records",
     "ring_all_reduce_time",
-    "run_metadata",
     "runnable_tasks",
     "scaling_efficiency",
     "slowest_rank",
     "summarize",
     "time_op",
-    "write_records",
 ]
