@@ -5,12 +5,15 @@ distributed scripts, and their typed configuration.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn import functional
 from torch.utils.data import DataLoader, Dataset, Subset
 from tqdm.auto import tqdm
 
@@ -22,6 +25,7 @@ __all__ = [
     "check_same_training",
     "evaluate",
     "parameter_gap",
+    "sgd_step_fn",
     "shard_indices",
     "train_one_epoch",
 ]
@@ -295,3 +299,47 @@ def check_same_training(
             f"{atol:.0e}): they did not take the same steps"
         )
     return {"gap": gap, "moved": moved}
+
+
+def sgd_step_fn(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    accum: int = 1,
+    no_sync: bool = False,
+    lr: float = 0.01,
+) -> Callable[[], None]:
+    """One SGD step over ``accum`` micro-batches, as a function of no arguments to time.
+
+    Every call runs ``accum`` forward and backward passes of the same batch
+    (cross-entropy, each loss divided by ``accum``, so the gradients add up to
+    the mean) and one ``optimizer.step()``. With ``no_sync``, the first
+    ``accum - 1`` backward passes run inside ``model.no_sync()`` (DDP's
+    gradient accumulation without an all-reduce), the last one synchronises.
+
+    Args:
+        model: a module, or a DDP wrapper when ``no_sync``.
+        x: inputs, ``[batch, ...]`` on the model's device.
+        y: class labels, ``int64 [batch]``.
+        accum: micro-batches per step, >= 1.
+        no_sync: skip the all-reduce of all but the last micro-batch.
+        lr: SGD's learning rate.
+
+    Raises:
+        ValueError: ``accum < 1``, or ``no_sync`` for a model without ``no_sync()``.
+    """
+    if accum < 1:
+        raise ValueError(f"accum must be >= 1, not {accum}")
+    if no_sync and not hasattr(model, "no_sync"):
+        raise ValueError("no_sync needs a DDP wrapper (a model with a no_sync() method)")
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+
+    def step() -> None:
+        opt.zero_grad()
+        for i in range(accum):
+            skip = no_sync and i < accum - 1
+            with model.no_sync() if skip else contextlib.nullcontext():
+                (functional.cross_entropy(model(x), y) / accum).backward()
+        opt.step()
+
+    return step

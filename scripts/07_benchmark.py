@@ -16,12 +16,10 @@ and a plot next to it (same name, .png).
 """
 
 import argparse
-import contextlib
 import pathlib
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
@@ -30,6 +28,7 @@ from ddp_course.models import LayerStack, resnet18_mnist
 from ddp_course.runtime import distributed, get_logger
 from ddp_course.tools.bench import summarize, time_op
 from ddp_course.tools.records import write_results
+from ddp_course.training import sgd_step_fn
 
 CAPS = [0.25, 0.5, 1, 2, 5, 10, 25, 50, 100]
 
@@ -55,21 +54,11 @@ def make_model(name, device):
 
 def step_fn(model, args, device, accum=1, no_sync=False):
     """One optimizer step over ``accum`` micro-batches, as a function for time_op."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(0)
     shape = (1, 28, 28) if args.model == "resnet18" else (784,)
     x = torch.randn(args.batch_size, *shape, generator=gen).to(device)
     y = torch.randint(0, 10, (args.batch_size,), generator=gen).to(device)
-
-    def step():
-        opt.zero_grad()
-        for i in range(accum):
-            skip = no_sync and i < accum - 1
-            with model.no_sync() if skip else contextlib.nullcontext():
-                (F.cross_entropy(model(x), y) / accum).backward()
-        opt.step()
-
-    return step
+    return sgd_step_fn(model, x, y, accum=accum, no_sync=no_sync)
 
 
 def timed(model, args, ctx, **kwargs):

@@ -37,7 +37,6 @@ name, .csv) with the machine, versions, load average and this command.
 """
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
@@ -64,6 +63,7 @@ from ddp_course.tools.bench import (
     fit_each,
     message_sizes,
     summarize,
+    time_interleaved,
 )
 from ddp_course.tools.records import write_results
 from ddp_course.tools.scaling import (
@@ -75,6 +75,7 @@ from ddp_course.tools.scaling import (
     fit_gustafson,
 )
 from ddp_course.tools.trace import load_trace, overlap_report, slim_trace
+from ddp_course.training import sgd_step_fn
 
 MODES = ["collectives", "scaling", "knobs", "model", "trace"]
 TINY = {"min_bytes": 4096, "max_bytes": 65536, "repeats": 2, "warmup": 1, "hidden": 64,
@@ -123,34 +124,6 @@ def sync(ctx):
         torch.cuda.synchronize(ctx.device)
 
 
-def interleaved(settings, ctx, args, bar, active=None):
-    """Time every setting once per repeat, rotating the order; slowest rank per iteration.
-
-    ``settings`` maps a name to a function of no arguments; ``active(name)``
-    says whether this rank takes part (sub-group runs); the others wait.
-    Returns ``{name: [seconds per repeat]}``.
-    """
-    names = list(settings)
-    active = active or (lambda name: True)
-    for name in names:
-        for _ in range(args.warmup):
-            if active(name):
-                settings[name]()
-        barrier(ctx)
-    times = {name: [] for name in names}
-    for r in range(args.repeats):
-        order = names[r % len(names) :] + names[: r % len(names)]
-        for name in order:
-            barrier(ctx)
-            start = time.perf_counter()
-            if active(name):
-                settings[name]()
-                sync(ctx)
-            times[name].append(slowest(ctx, time.perf_counter() - start))
-            bar.update()
-    return times
-
-
 def stats(times):
     t = summarize(times)
     return {"median_s": t.median, "iqr_s": t.iqr, "repeats": t.repeats}
@@ -165,21 +138,6 @@ def batch(n, device, seed=0):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 784, generator=gen).to(device)
     return x, torch.randint(0, 10, (n,), generator=gen).to(device)
-
-
-def train_step(model, x, y, accum=1, no_sync=False):
-    """One SGD step over ``accum`` micro-batches, as a function of no arguments."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-
-    def step():
-        opt.zero_grad()
-        for i in range(accum):
-            skip = no_sync and i < accum - 1
-            with model.no_sync() if skip else contextlib.nullcontext():
-                (F.cross_entropy(model(x), y) / accum).backward()
-        opt.step()
-
-    return step
 
 
 # ---------------------------------------------------------------- collectives
@@ -215,7 +173,7 @@ def run_collectives(ctx, args, log):
         for size in sizes:
             settings[(name, size)], nbytes[(name, size)] = collective_fn(name, size, ctx)
     bar = tqdm(total=len(settings) * args.repeats, desc="collectives", disable=args.hide)
-    times = interleaved(settings, ctx, args, bar)
+    times = time_interleaved(settings, ctx, args.warmup, args.repeats, progress=bar.update)
     bar.close()
     rows = []
     for (name, size), ts in times.items():
@@ -256,7 +214,7 @@ def run_scaling(ctx, args, log):
             per_rank_batch[name] = len(x)  # what the step really gets
             if ctx.rank < n:
                 model = DDP(make_model(args, ctx.device), process_group=groups[n])
-                step = train_step(model, x, y)
+                step = sgd_step_fn(model, x, y)
                 settings[name] = with_threads(threads, step)
             else:
                 settings[name] = None
@@ -265,10 +223,17 @@ def run_scaling(ctx, args, log):
     where[plain] = 1
     x, y = batch(args.batch_size, ctx.device)
     per_rank_batch[plain] = len(x)
-    step = train_step(make_model(args, ctx.device), x, y)
+    step = sgd_step_fn(make_model(args, ctx.device), x, y)
     settings[plain] = with_threads(1, step)
     bar = tqdm(total=len(settings) * args.repeats, desc="scaling", disable=args.hide)
-    times = interleaved(settings, ctx, args, bar, active=lambda k: ctx.rank < where[k])
+    times = time_interleaved(
+        settings,
+        ctx,
+        args.warmup,
+        args.repeats,
+        progress=bar.update,
+        active=lambda k: ctx.rank < where[k],
+    )
     bar.close()
     rows = []
     for (kind, n, threads), ts in times.items():
@@ -310,22 +275,22 @@ def run_knobs(ctx, args, log):
     x, y = batch(args.batch_size, dev, seed=ctx.rank)
     settings = {}
     for cap in args.caps:
-        settings[f"torch DDP cap={cap:g}"] = train_step(DDP(make_model(args, dev),
+        settings[f"torch DDP cap={cap:g}"] = sgd_step_fn(DDP(make_model(args, dev),
                                                             bucket_cap_mb=cap), x, y)  # fmt: skip
-    settings["BucketedDDP cap=25"] = train_step(BucketedDDP(make_model(args, dev)), x, y)
-    settings["torch DDP cap=25"] = train_step(DDP(make_model(args, dev)), x, y)
+    settings["BucketedDDP cap=25"] = sgd_step_fn(BucketedDDP(make_model(args, dev)), x, y)
+    settings["torch DDP cap=25"] = sgd_step_fn(DDP(make_model(args, dev)), x, y)
     for name, hook in (("fp16", default_hooks.fp16_compress_hook),
                        ("bf16", default_hooks.bf16_compress_hook)):  # fmt: skip
         model = DDP(make_model(args, dev))
         model.register_comm_hook(None, hook)
-        settings[f"{name} hook cap=25"] = train_step(model, x, y)
+        settings[f"{name} hook cap=25"] = sgd_step_fn(model, x, y)
     xs, ys = x[: max(1, args.batch_size // args.accum)], y[: max(1, args.batch_size // args.accum)]
-    settings["sync every micro-batch"] = train_step(DDP(make_model(args, dev)), xs, ys,
+    settings["sync every micro-batch"] = sgd_step_fn(DDP(make_model(args, dev)), xs, ys,
                                                     accum=args.accum)  # fmt: skip
-    settings["no_sync"] = train_step(DDP(make_model(args, dev)), xs, ys, accum=args.accum,
+    settings["no_sync"] = sgd_step_fn(DDP(make_model(args, dev)), xs, ys, accum=args.accum,
                                      no_sync=True)  # fmt: skip
     bar = tqdm(total=len(settings) * args.repeats, desc="knobs", disable=args.hide)
-    times = interleaved(settings, ctx, args, bar)
+    times = time_interleaved(settings, ctx, args.warmup, args.repeats, progress=bar.update)
     bar.close()
     rows = [{"mode": "knobs", "setting": name, "world_size": ctx.world_size, **stats(ts)}
             for name, ts in times.items()]  # fmt: skip
@@ -425,14 +390,21 @@ def run_model(ctx, args, log):
     wrapped = {}
     for cap in args.caps:
         wrapped[cap] = BucketedDDP(make_model(args, dev), bucket_cap_mb=cap)
-        settings[("BucketedDDP", cap)] = train_step(wrapped[cap], x, y)
+        settings[("BucketedDDP", cap)] = sgd_step_fn(wrapped[cap], x, y)
     # Does overlap buy anything here? The smallest cap of 1 MB or more with overlap off.
     probe = min((c for c in args.caps if c >= 1), default=max(args.caps))
     if n > 1:
         late = BucketedDDP(make_model(args, dev), bucket_cap_mb=probe, overlap=False)
-        settings[("no overlap", probe)] = train_step(late, x, y)
+        settings[("no overlap", probe)] = sgd_step_fn(late, x, y)
     bar = tqdm(total=len(settings) * args.repeats, desc="model", disable=args.hide)
-    times = interleaved(settings, ctx, args, bar, active=lambda k: k[0] != "alone" or first)
+    times = time_interleaved(
+        settings,
+        ctx,
+        args.warmup,
+        args.repeats,
+        progress=bar.update,
+        active=lambda k: k[0] != "alone" or first,
+    )
     bar.close()
     alone = {
         k: rank0_medians(ctx, phases.get(("alone", k)), args.warmup) for k in ["plain", *args.caps]

@@ -34,14 +34,15 @@ def run_metadata(
 
     Args:
         command: the command line; default ``sys.argv`` with ``python`` in
-            front, or ``torchrun --nproc_per_node=N`` under torchrun; paths
-            shown relative to the current folder when inside it.
+            front, or ``torchrun --nproc_per_node=N`` under torchrun; absolute
+            paths shown relative to the current folder when inside it, else by
+            their name only.
         ctx: the job's context; adds ``world_size``, ``backend`` and ``device``.
 
     Returns:
         JSON-ready dict: ``machine`` (architecture, processor count, OS),
         ``python``, ``torch``, ``numpy``, ``cuda`` (None on CPU), ``gpu``
-        (name or None), ``load_average_1min`` (None where the OS has none),
+        (the job's GPU, or None), ``load_average_1min`` (None where the OS has none),
         ``threads_per_rank`` (``torch.get_num_threads()``),
         ``omp_num_threads`` (the variable, or None), ``command`` and
         ``utc`` (ISO 8601 seconds); with ``ctx``, ``world_size``, ``backend``
@@ -56,20 +57,23 @@ def run_metadata(
     shown = []
     for part in command:
         path = pathlib.Path(part)
-        if path.is_absolute() and path.is_relative_to(cwd):
-            part = str(path.relative_to(cwd))
+        if path.is_absolute():
+            # Never a path of this machine outside the repository (a temporary results file).
+            part = str(path.relative_to(cwd)) if path.is_relative_to(cwd) else path.name
         shown.append(part)
     try:
         load = os.getloadavg()[0]
     except (AttributeError, OSError):
         load = None
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    # The job's own device when there is one: a CPU job on a GPU machine names no GPU.
+    on_gpu = ctx.device.type == "cuda" if ctx is not None else torch.cuda.is_available()
+    gpu = torch.cuda.get_device_name(ctx.device if ctx is not None else None) if on_gpu else None
     return {
         "machine": {"arch": platform.machine(), "cpus": os.cpu_count(), "os": platform.system()},
         "python": platform.python_version(),
         "torch": torch.__version__,
         "numpy": np.__version__,
-        "cuda": torch.version.cuda if torch.cuda.is_available() else None,
+        "cuda": torch.version.cuda if on_gpu else None,
         "gpu": gpu,
         "load_average_1min": load,
         "threads_per_rank": torch.get_num_threads(),
@@ -111,10 +115,10 @@ def write_results(
         The JSON file's path on rank 0, else None.
 
     Raises:
-        ValueError: ``results`` has a ``meta`` or ``rows`` key of its own,
-            ``rows`` is empty, or a row holds a list or dict.
+        ValueError: ``results`` has a ``meta`` key (or ``rows`` while ``rows``
+            is given), ``rows`` is empty, or a row holds a list or dict.
     """
-    clash = {"meta", "rows"} & set(results)
+    clash = ({"meta"} | ({"rows"} if rows is not None else set())) & set(results)
     if clash:
         raise ValueError(f"results may not have the keys {sorted(clash)}: the writer adds them")
     if rows is not None:

@@ -67,7 +67,7 @@ def _check_mixed_precision(r):
 
 def _check_benchmark(r, world_size):
     # The ratios are of the medians the same file holds.
-    assert r["world_size"] == world_size and r["args"]["caps"] == [0.25, 1.0]
+    assert r["world_size"] == world_size and r["meta"]["args"]["caps"] == [0.25, 1.0]
     step = {k: v["median_s"] for k, v in r["step"].items()}
     assert r["ratios"]["NaiveDDP / BucketedDDP"] == step["NaiveDDP"] / step["BucketedDDP"]
     assert set(r["bucket_sweep"]) == {"BucketedDDP", "torch DDP"}

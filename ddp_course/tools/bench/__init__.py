@@ -42,7 +42,14 @@ from .cost_models import (
     ring_all_reduce_time,
     scaling_efficiency,
 )
-from .timing import Timing, runnable_tasks, slowest_rank, summarize, time_op
+from .timing import (
+    Timing,
+    runnable_tasks,
+    slowest_rank,
+    summarize,
+    time_interleaved,
+    time_op,
+)
 
 __all__ = [
     "GB",
@@ -65,5 +72,6 @@ __all__ = [
     "scaling_efficiency",
     "slowest_rank",
     "summarize",
+    "time_interleaved",
     "time_op",
 ]

@@ -13,7 +13,7 @@ import os
 import pathlib
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -104,6 +104,64 @@ def time_op(
     if ctx.is_distributed:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
+
+
+def time_interleaved(
+    settings: Mapping[str, Callable[[], object]],
+    ctx: DistContext,
+    warmup: int = 2,
+    repeats: int = 10,
+    active: Callable[[str], bool] | None = None,
+    progress: Callable[[], object] | None = None,
+) -> dict[str, list[float]]:
+    """Time every setting once per repeat, rotating the order; slowest rank per call.
+
+    :func:`time_op` for several settings at once: repeat r runs them in the
+    order ``names[r:] + names[:r]``, so a slow spell of the machine falls on
+    all of them alike instead of on whichever ran then. Each call starts at a
+    barrier and counts as long as its slowest rank took (one
+    ``all_reduce(MAX)`` per call). All ranks must call this together.
+
+    Args:
+        settings: name -> the operation, a function of no arguments.
+        ctx: this process's context.
+        warmup: untimed calls of each setting first, >= 0.
+        repeats: timed calls of each setting, >= 1.
+        active: ``active(name)`` says whether this rank takes part in that
+            setting (runs on a sub-group); the others wait. Default: all do.
+        progress: called after every timed call (e.g. a progress bar's ``update``).
+
+    Returns:
+        ``{name: [seconds per repeat]}``, the same on every rank.
+
+    Raises:
+        ValueError: if ``warmup < 0`` or ``repeats < 1``.
+    """
+    if warmup < 0 or repeats < 1:
+        raise ValueError(f"need warmup >= 0 and repeats >= 1, not {warmup} and {repeats}")
+    names = list(settings)
+    active = active or (lambda name: True)
+    for name in names:
+        for _ in range(warmup):
+            if active(name):
+                settings[name]()
+        barrier(ctx)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            barrier(ctx)
+            start = time.perf_counter()
+            if active(name):
+                settings[name]()
+                _sync(ctx)
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64,
+                                   device=ctx.device)  # fmt: skip
+            if ctx.is_distributed:
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            times[name].append(elapsed.item())
+            if progress is not None:
+                progress()
+    return times
 
 
 def slowest_rank(times_by_rank: Sequence[Sequence[float]]) -> list[float]:
