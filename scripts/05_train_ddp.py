@@ -111,10 +111,12 @@ def train(
             save_checkpoint(ctx, cfg.checkpoint, model, optimizer, epoch=epoch + 1)
 
     final = evaluate(unwrap(model), test_set.dataset, ctx) if not history else metrics
-    writes = [len(renames)]  # NEW: checkpoint writes of every rank, gathered
+    # NEW: every rank's checkpoint writes and a checksum of its weights, gathered
+    weights = float(sum(p.detach().double().sum() for p in unwrap(model).parameters()))
+    everyone = [(len(renames), weights)]
     if ctx.is_distributed:
-        writes = [None] * ctx.world_size
-        dist.all_gather_object(writes, len(renames))
+        everyone = [None] * ctx.world_size
+        dist.all_gather_object(everyone, (len(renames), weights))
     train_samples = sum(h["train_samples"] for h in history)
     train_seconds = sum(h["train_seconds"] for h in history)
     write_results(ctx, cfg.results, {
@@ -124,7 +126,8 @@ def train(
         "train_loss": history[-1]["train_loss"] if history else None,
         "test_accuracy": final["accuracy"], "test_samples": final["samples"],
         "samples_per_s": train_samples / train_seconds if history else None,
-        "checkpoint_writes_per_rank": writes,
+        "checkpoint_writes_per_rank": [w for w, _ in everyone],
+        "weights_checksum_per_rank": [c for _, c in everyone],
         "wall_s": time.perf_counter() - start, "history": history,
     })  # fmt: skip
 

@@ -95,17 +95,19 @@ def seeding(ctx: DistContext, seed: int) -> dict:
     seed_everything(seed + ctx.rank)  # wrong for the model
     model = SmallCNN().to(ctx.device)
     per_rank = init_checksum(model)
-    after_ddp = None
+    after_ddp = mask_after_ddp = None
     if ctx.is_distributed:
         # DDP's constructor broadcasts rank 0's parameters, hiding the mistake
         # for the weights (not for anything else drawn from the generator).
         ddp = nn.parallel.DistributedDataParallel(model)
         after_ddp = init_checksum(ddp.module)
+        mask_after_ddp = (nn.functional.dropout(torch.ones(12), p=0.5) > 0).int().tolist()
         del ddp
     return {
         "init_same_seed": same,
         "init_seed_plus_rank": per_rank,
         "init_seed_plus_rank_after_ddp": after_ddp,
+        "mask_after_ddp": mask_after_ddp,  # the generator, after the broadcast
         "same_seed": draws(seed),  # every rank draws the same masks and crops
         "seed_plus_rank": draws(seed + ctx.rank),  # every rank draws its own
     }
