@@ -28,6 +28,7 @@ from ddp_course.tools.bench import (
     scaling_efficiency,
     slowest_rank,
     summarize,
+    time_interleaved,
     time_op,
     timing,
 )
@@ -152,6 +153,21 @@ def test_time_op_single_process_counts_calls():
     assert len(times) == 4 and min(times) >= 0.002
     with pytest.raises(ValueError):
         time_op(lambda: None, DistContext(), repeats=0)
+
+
+def test_time_interleaved_rotates_the_order_and_skips_inactive_settings():
+    order = []
+    settings = {name: (lambda name=name: order.append(name)) for name in "abc"}
+    progress = []
+    times = time_interleaved(
+        settings, DistContext(), warmup=1, repeats=3,
+        active=lambda name: name != "c", progress=lambda: progress.append(1),
+    )  # fmt: skip
+    assert order[:2] == ["a", "b"]  # warm-up, "c" inactive
+    assert order[2:] == ["a", "b", "b", "a", "a", "b"]  # abc, bca, cab without c
+    assert {k: len(v) for k, v in times.items()} == {"a": 3, "b": 3, "c": 3} and len(progress) == 9
+    with pytest.raises(ValueError):
+        time_interleaved(settings, DistContext(), repeats=0)
 
 
 def test_script_04_tiny_sweep_under_torchrun(root):

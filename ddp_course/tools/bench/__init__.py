@@ -1,25 +1,10 @@
-"""Measuring communication: timing, algbw/busbw, the alpha-beta model, result files.
+"""Measuring communication: timing, algbw/busbw and the alpha-beta model.
 
-Definitions follow nccl-tests' PERFORMANCE.md
-(https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md):
-
-- algorithm bandwidth ``algbw = S / t``: the message size S in bytes over
-  the time t of one operation;
-- bus bandwidth ``busbw = algbw * factor``, the factor making the number
-  comparable to the link's peak whatever the world size n: ``2(n-1)/n``
-  for all_reduce, ``(n-1)/n`` for reduce_scatter, all_gather and
-  all_to_all, ``1`` for broadcast, reduce and send/recv;
-- 1 GB/s = 1e9 bytes per second.
-
-Timing differs from nccl-tests on one point, for a noisy shared CPU: each
-timed iteration starts at a barrier, its time is the slowest rank's
-(``all_reduce(MAX)`` over ranks) and the reported time is the median over
-iterations after warm-up, with the interquartile range as the spread
-(nccl-tests reports the mean over iterations).
-
-One idea per module: :mod:`.bandwidth` (algbw, busbw, sweep sizes), :mod:`.timing`
-(timing every rank at once) and :mod:`.cost_models` (alpha-beta fits and what they
-predict); everything is importable from here. Result files: :mod:`ddp_course.tools.records`.
+One idea per module, everything importable from here: :mod:`.bandwidth` (algbw and
+busbw as nccl-tests' PERFORMANCE.md defines them, the sizes of a sweep), :mod:`.timing`
+(every rank at once, the slowest rank per iteration, median and interquartile range)
+and :mod:`.cost_models` (alpha-beta fits and what they predict). Result files:
+:mod:`ddp_course.tools.records`.
 """
 
 from .bandwidth import (
