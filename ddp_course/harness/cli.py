@@ -259,6 +259,7 @@ def lab(extra: Sequence[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m ddp_course COMMAND``: parse ``argv`` and run the command; its exit code."""
     parser = argparse.ArgumentParser(
         prog="python -m ddp_course",
         description=__doc__,

@@ -176,6 +176,7 @@ def probe_machine() -> dict:
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
+    """pytest hook: the plugin's options (where to append reports, the deadline)."""
     group = parser.getgroup("gpu-check", "python -m ddp_course gpu-check")
     group.addoption("--gpu-check-reports", help="append every test report here (JSON lines)")
     group.addoption("--gpu-check-deadline", type=float,
@@ -183,6 +184,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    """pytest hook: register the report writer and the deadline when the options are given."""
     reports = config.getoption("gpu_check_reports")
     deadline = config.getoption("gpu_check_deadline")
     if reports or deadline is not None:
