@@ -188,10 +188,11 @@ def sync_versus_async(ctx, numel: int = 4 * 2**20) -> dict:
     start = time.perf_counter()
     dist.all_reduce(t)  # gloo: returns when the result is in t; nccl: once it is queued
     sync_call = time.perf_counter() - start
+    # Read at once: gloo has the sum in t already; on nccl reading waits for the stream.
+    sync_ok = bool((t == ctx.world_size).all())
     compute()  # runs after the all_reduce (nccl: queued behind it on the stream)
     finish()
     sync_total = time.perf_counter() - start
-    sync_ok = bool((t == ctx.world_size).all())
 
     t = torch.ones(numel, device=dev)
     finish()

@@ -86,6 +86,9 @@ def main() -> None:
     backend = "gloo" if device.type == "cpu" and gpu_count() > 0 else None
     record: dict = {"world_size": world_size, "added_by_launcher": added, "init": {},
                     "device": str(device), "backend_argument": backend}  # fmt: skip
+    # The network interfaces gloo and nccl were told to use, if any.
+    record["socket_ifname"] = {k: os.environ.get(k)
+                               for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}  # fmt: skip
 
     # 1. env:// with no backend argument: torch picks the accelerator's backend.
     dist.init_process_group(backend=backend)

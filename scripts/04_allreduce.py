@@ -5,7 +5,7 @@ torchrun --nproc_per_node=4 scripts/04_allreduce.py --max-bytes 0  # checks and 
 torchrun --nproc_per_node=2 scripts/04_allreduce.py --results build/04_allreduce.json
 
 Every rank first checks the hand-written ring and parameter server against
-dist.all_reduce (odd lengths, float and integer, sum and avg) and counts the
+dist.all_reduce (odd lengths, float and integer, sum and avg; max and min) and counts the
 bytes it moved. Then, for message sizes from --min-bytes to --max-bytes, it
 times dist.all_reduce, the ring, the parameter server and two point-to-point
 patterns that model the link: "send" (rank 0 to rank 1 only) and "exchange"
@@ -60,6 +60,20 @@ def check(ctx) -> dict:
                     torch.testing.assert_close(got, want, msg=f"{name} {dtype} {numel} {op}")
                     assert stats == formula(numel, x.element_size(), n, ctx.rank), (name, stats)
                     cases += 1
+    # max and min, float and integer, against dist.all_reduce's MAX and MIN.
+    extremes = 0
+    for dtype in (torch.float32, torch.int64):
+        gen = torch.Generator().manual_seed(ctx.rank * 7919 + 7)
+        x = torch.randint(-100, 100, (n + 1,), generator=gen).to(dtype).to(ctx.device)
+        for op, reduce_op in (("max", dist.ReduceOp.MAX), ("min", dist.ReduceOp.MIN)):
+            want = x.clone()
+            if ctx.is_distributed:
+                dist.all_reduce(want, op=reduce_op)
+            for name, fn in (("ring", ring_all_reduce), ("ps", parameter_server_all_reduce)):
+                got = x.clone()
+                fn(got, op)
+                torch.testing.assert_close(got, want, msg=f"{name} {dtype} {op}")
+                extremes += 1
     # What every rank counted for one float32 tensor of K = 48,000 bytes.
     numel = 12_000
     counted = {}
@@ -71,7 +85,7 @@ def check(ctx) -> dict:
             per_rank = [None] * n
             dist.all_gather_object(per_rank, mine)
         counted[name] = per_rank
-    return {"cases": cases, "numel": numel, "element_size": 4, **counted}
+    return {"cases": cases, "extremes": extremes, "numel": numel, "element_size": 4, **counted}
 
 
 def busiest_bytes(name: str, size: int, n: int) -> int | None:
