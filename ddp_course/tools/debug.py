@@ -132,8 +132,10 @@ def py_spy_dumps(marker: str, timeout_s: float = 30.0) -> dict[int, str]:
     """``py-spy dump --pid`` of every rank of a running job: ``{rank: stack text}``.
 
     py-spy (https://github.com/benfred/py-spy) reads a Python process's
-    stack from outside, without stopping or changing it, so it works on a
-    job that hangs inside a collective.
+    stack from outside, with no change to its code, so it works on a job that
+    hangs inside a collective. ``py-spy dump`` pauses each process for the
+    moment it reads the stack (its default; ``--nonblocking`` would not) and
+    lets it go on afterwards.
 
     Raises:
         FileNotFoundError: ``py-spy`` is not installed (``pip install py-spy``).
