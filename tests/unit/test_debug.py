@@ -125,7 +125,7 @@ def test_flight_recorder_is_on_by_default_and_keeps_2000_collectives(tmp_path):
     # A process of its own: the recorder is process-wide and read at the first group.
     code = (
         "import sys, torch, torch.distributed as dist\n"
-        "from ddp_course import debug\n"
+        "from ddp_course.tools import debug\n"
         "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
         "for _ in range(2010):\n"
         "    dist.all_reduce(torch.ones(1))\n"
