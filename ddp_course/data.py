@@ -111,7 +111,9 @@ def _has_full(root: pathlib.Path) -> bool:
 # process is enough.
 @functools.cache
 def online(host: str = "ossci-datasets.s3.amazonaws.com", timeout_s: float = 2.0) -> bool:
-    """A quick probe, so an offline machine falls back at once instead of waiting on
+    """Whether ``host`` answers on port 443 within ``timeout_s`` seconds.
+
+    A quick probe, so an offline machine falls back at once instead of waiting on
     torchvision's mirrors one after the other."""
     try:
         socket.create_connection((host, 443), timeout=timeout_s).close()
@@ -208,7 +210,9 @@ def synthetic_classification(
 
 
 def write_idx(path: pathlib.Path, array: np.ndarray) -> None:
-    """The IDX format of https://yann.lecun.com/exdb/mnist/: magic 0x0000 08 nd, big-endian
+    """Write a ``uint8`` array to ``path`` in MNIST's IDX format.
+
+    The IDX format of https://yann.lecun.com/exdb/mnist/: magic 0x0000 08 nd, big-endian
     uint32 sizes, then unsigned bytes."""
     header = struct.pack(">HBB", 0, 0x08, array.ndim)
     header += struct.pack(">" + "I" * array.ndim, *array.shape)

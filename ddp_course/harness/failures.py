@@ -65,8 +65,10 @@ def is_timeout(text: str) -> bool:
 
 
 def read_rank_logs(log_dir: pathlib.Path) -> dict[int, str]:
-    """torchrun writes <log_dir>/<run_id>/attempt_<k>/<local_rank>/{stdout,stderr}.log; one
-    node here, so the local rank is the global rank."""
+    """Every rank's output ``{rank: stdout + stderr}`` from torchrun's ``--log-dir``.
+
+    torchrun writes <log_dir>/<run_id>/attempt_<k>/<local_rank>/{stdout,stderr}.log; one
+    node here, so the local rank is the global rank; the attempts are concatenated."""
     logs: dict[int, str] = {}
     for rank_dir in sorted(log_dir.glob("*/attempt_*/*")):
         if not rank_dir.name.isdigit():
@@ -82,8 +84,11 @@ def read_rank_logs(log_dir: pathlib.Path) -> dict[int, str]:
 
 
 def failing_rank(torchrun_output: str, logs: dict[int, str]) -> int | None:
-    """Ranks inside ddp_course.runtime.distributed() stamp the time they failed; the
-    earliest is the cause, the others died of its absence."""
+    """The rank that failed first, or None when nothing says.
+
+    Ranks inside ddp_course.runtime.distributed() stamp the time they failed; the
+    earliest is the cause, the others died of its absence. Without stamps: the rank of
+    torchrun's "Root Cause" report, else the first rank whose log holds a traceback."""
     stamps = [
         (float(t), int(rank)) for text in logs.values() for rank, t in _FAILED_AT.findall(text)
     ]

@@ -50,7 +50,10 @@ def shown_path(script: str | os.PathLike) -> str:
 
 
 def dump_python_stacks(proc: subprocess.Popen, script: pathlib.Path, wait_s: float = 5.0) -> None:
-    """Every rank runs with PYTHONFAULTHANDLER=1, so SIGABRT makes it print the Python stack
+    """Send SIGABRT to every rank of the job started as ``proc`` (not to the agent), and
+    wait up to ``wait_s`` seconds for them to die.
+
+    Every rank runs with PYTHONFAULTHANDLER=1, so SIGABRT makes it print the Python stack
     of each of its threads to stderr (its log) before it dies: the stack of a hung job at
     the moment it was stopped, at no cost while the job runs."""
     try:
@@ -75,9 +78,12 @@ def dump_python_stacks(proc: subprocess.Popen, script: pathlib.Path, wait_s: flo
 
 
 def kill_job(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
-    """torchrun starts each worker in a session of its own, so killing torchrun's process
+    """Stop the job started as ``proc`` and every process below it; returns once reaped.
+
+    torchrun starts each worker in a session of its own, so killing torchrun's process
     group does not reach them: list the whole tree first, ask torchrun to stop (it forwards
-    SIGTERM to its workers), then SIGKILL whatever of the tree is still alive."""
+    SIGTERM to its workers), wait ``grace_s`` seconds, then SIGKILL whatever of the tree is
+    still alive."""
     try:
         tree = psutil.Process(proc.pid).children(recursive=True)
     except psutil.NoSuchProcess:

@@ -104,7 +104,10 @@ _RDZV_FAILED = ("RendezvousConnectionError", "RendezvousTimeoutError", "Rendezvo
 
 
 def global_ranks(agent_output: str, nproc: int) -> list[int] | None:
-    """The last line of local rank 0 names its global rank; torchelastic gives a node's
+    """The global ranks of a node's ``nproc`` workers, read from its agent's output; None
+    when no worker line names them.
+
+    The last line of local rank 0 names its global rank; torchelastic gives a node's
     workers consecutive global ranks, in local-rank order."""
     found = [(int(lr), int(gr)) for lr, gr in _LINE_PREFIX.findall(agent_output)]
     first = [gr - lr for lr, gr in found]
