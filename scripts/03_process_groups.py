@@ -19,6 +19,7 @@ import argparse
 import os
 import shutil
 import tempfile
+import time
 
 import psutil
 import torch
@@ -99,9 +100,9 @@ def main() -> None:
     if rank == 0:
         record["listening"] = listening_sockets(pids)
         store_dir = tempfile.mkdtemp(prefix="ddp_course_store_")
-        rendezvous = [f"tcp://127.0.0.1:{free_port()}", f"file://{store_dir}/store"]
+        rendezvous = [f"tcp://127.0.0.1:{free_port()}", f"file://{store_dir}/store", free_port()]
     else:
-        rendezvous = [None, None]
+        rendezvous = [None, None, None]
     dist.broadcast_object_list(rendezvous, src=0)  # every rank needs the same addresses
     dist.destroy_process_group()
 
@@ -109,13 +110,23 @@ def main() -> None:
     # Under torchrun, TORCHELASTIC_USE_AGENT_STORE=True tells rank 0 not to start a
     # store of its own (the agent's serves env://); a tcp:// store must be rank 0's.
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-    for method in rendezvous:
+    # Rank 0 serves the tcp:// store, and a peer's teardown still talks to it: rank 0 tears
+    # its group down last, once a store of its own (alive to the end) has counted the others.
+    *methods, side_port = rendezvous
+    side = dist.TCPStore("127.0.0.1", side_port, world_size, is_master=rank == 0)
+    for method in methods:
         dist.init_process_group(backend, init_method=method, rank=rank, world_size=world_size)
         name = method.split("//")[0] + "//"
         record["init"][name] = {"backend": dist.get_backend_config(),
                                 "sum": all_reduce_check(rank, world_size, device)}  # fmt: skip
-        dist.barrier()  # nobody tears the store down while a peer still reads it
-        dist.destroy_process_group()
+        dist.barrier()
+        if rank != 0:
+            dist.destroy_process_group()
+            side.add(f"left {name}", 1)
+        else:
+            while side.add(f"left {name}", 0) < world_size - 1:
+                time.sleep(0.01)
+            dist.destroy_process_group()
     if rank == 0:
         shutil.rmtree(store_dir, ignore_errors=True)
 
