@@ -34,9 +34,12 @@ __all__ = [
     "MNIST_MEAN",
     "MNIST_STD",
     "MnistSplit",
+    "PLAYS",
     "build_subset",
     "has_full_mnist",
+    "lm_batch",
     "load_mnist",
+    "shakespeare_bytes",
     "synthetic_classification",
 ]
 
@@ -48,6 +51,8 @@ _FILES = {
     "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
 }
 _FULL_SIZES = {"train": 60_000, "test": 10_000}
+# The bundled plays, in the order they are concatenated (see datasets/README.md).
+PLAYS = ("macbeth", "tempest", "midsummer_nights_dream")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,6 +212,67 @@ def synthetic_classification(
     y = torch.randint(num_classes, (num_samples,), generator=gen)
     x = prototypes[y] + torch.randn(num_samples, *shape, generator=gen)
     return TensorDataset(x, y)
+
+
+def shakespeare_bytes(split: str = "train", val_fraction: float = 0.1) -> torch.Tensor:
+    """The bundled Shakespeare plays as byte tokens, ``int64 [n]`` with values in 0-255.
+
+    The three plays of :data:`PLAYS` (298,115 bytes of ASCII, public domain;
+    provenance in ``datasets/README.md``), concatenated. Byte-level tokens
+    need no tokenizer: the vocabulary is the 256 byte values. The last
+    ``val_fraction`` of the bytes is the validation split.
+
+    Args:
+        split: ``"train"``, ``"val"`` or ``"all"``.
+        val_fraction: share of the bytes held out for ``"val"``, in (0, 1).
+
+    Raises:
+        ValueError: an unknown split or a fraction outside (0, 1).
+        FileNotFoundError: the text files are missing from the package.
+    """
+    if split not in ("train", "val", "all"):
+        raise ValueError(f"split must be 'train', 'val' or 'all', not {split!r}")
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    root = BUNDLED_ROOT / "shakespeare"
+    missing = [p for p in PLAYS if not (root / f"{p}.txt").is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"{root} lacks {', '.join(missing)}: reinstall ddp_course or rebuild the "
+            "files as datasets/README.md says"
+        )
+    data = b"".join((root / f"{p}.txt").read_bytes() for p in PLAYS)
+    tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+    cut = int(len(tokens) * (1 - val_fraction))
+    return {"train": tokens[:cut], "val": tokens[cut:], "all": tokens}[split]
+
+
+def lm_batch(
+    tokens: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random language-model batch: inputs and the next token of each position.
+
+    Args:
+        tokens: ``int64 [n]``, e.g. :func:`shakespeare_bytes`.
+        batch_size: sequences per batch B.
+        seq_len: tokens per sequence T.
+        generator: draws the start offsets, so every rank that passes a
+            generator seeded alike draws the same global batch.
+
+    Returns:
+        ``(x, y)``, both ``int64 [B, T]``, with ``y[:, t] == x[:, t + 1]``
+        inside a sequence and ``y[:, -1]`` the token after the window.
+
+    Raises:
+        ValueError: the text is not longer than ``seq_len``.
+    """
+    if tokens.ndim != 1 or len(tokens) <= seq_len:
+        raise ValueError(
+            f"need a 1-D text longer than seq_len={seq_len}, got {tuple(tokens.shape)}"
+        )
+    starts = torch.randint(len(tokens) - seq_len, (batch_size,), generator=generator)
+    window = torch.stack([tokens[s : s + seq_len + 1] for s in starts.tolist()])
+    return window[:, :-1].contiguous(), window[:, 1:].contiguous()
 
 
 def write_idx(path: pathlib.Path, array: np.ndarray) -> None:

@@ -1,16 +1,37 @@
-"""Models used across the lessons. All take MNIST-shaped input
-``float32 [batch, 1, 28, 28]`` (or any flattenable shape for the MLP) and
-return logits ``float32 [batch, num_classes]``: no softmax, because
+"""Models used across the lessons.
+
+The image models take MNIST-shaped input ``float32 [batch, 1, 28, 28]`` (or
+any flattenable shape for the MLP) and return logits
+``float32 [batch, num_classes]``: no softmax, because
 ``nn.CrossEntropyLoss`` applies ``log_softmax`` itself
 (https://pytorch.org/docs/stable/generated/torch.nn.CrossEntropyLoss.html).
+:class:`TinyGPT`, the Transformer of lessons 13-15, takes byte tokens
+``int64 [batch, seq]`` and returns next-token logits
+``[batch, seq, vocab_size]``.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
+from torch.nn import functional
 
-__all__ = ["MLP", "BuggyCNN", "LayerStack", "SmallCNN", "conv_output_features", "resnet18_mnist"]
+from .tensor_parallel import FeedForward
+
+__all__ = [
+    "MLP",
+    "Block",
+    "BuggyCNN",
+    "CausalSelfAttention",
+    "LayerStack",
+    "SmallCNN",
+    "TinyGPT",
+    "conv_output_features",
+    "lm_loss",
+    "resnet18_mnist",
+]
 
 
 def conv_output_features(features: nn.Module, input_shape=(1, 28, 28)) -> int:
@@ -163,3 +184,183 @@ def resnet18_mnist(num_classes: int = 10) -> nn.Module:
     model.conv1 = nn.Conv2d(1, 64, kernel_size=3, stride=1, padding=1, bias=False)
     model.maxpool = nn.Identity()
     return model
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with separate Q, K, V projections.
+
+    Input and output ``[B, T, d_model]``. Q, K and V are ``[B, heads, T,
+    head_dim]``; position t attends to positions 0..t only. The number of
+    heads is read from the projections' width (``q.out_features //
+    head_dim``), so the same module runs whole or with its heads split over
+    tensor-parallel ranks, where each rank's Q, K and V hold ``heads / N``
+    heads. Separate projections (rather than one fused ``[3 d, d]`` QKV) make
+    a column split give each rank whole heads of all three.
+
+    Args:
+        d_model: model width d; a multiple of ``n_heads``.
+        n_heads: attention heads a; ``head_dim = d / a``.
+        dropout: probability for the attention weights and the output.
+        flash: ``True`` calls ``scaled_dot_product_attention`` (a fused kernel
+            that keeps no ``[T, T]`` matrix for backward); ``False`` writes
+            softmax(QK^T / sqrt(head_dim)) V out, keeping the scores,
+            probabilities and dropout mask (Vaswani et al. 2017, eq. 1).
+            Both give the same output without dropout.
+
+    Raises:
+        ValueError: ``d_model`` is not a multiple of ``n_heads``.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0, flash: bool = True):
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"d_model={d_model} is not a multiple of n_heads={n_heads}")
+        self.head_dim = d_model // n_heads
+        self.dropout = dropout
+        self.flash = flash
+        self.q = nn.Linear(d_model, d_model)
+        self.k = nn.Linear(d_model, d_model)
+        self.v = nn.Linear(d_model, d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.drop = nn.Dropout(dropout)
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq = x.shape[:2]
+        return x.view(batch, seq, -1, self.head_dim).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self._heads(self.q(x)), self._heads(self.k(x)), self._heads(self.v(x))
+        p = self.dropout if self.training else 0.0
+        if self.flash:
+            y = functional.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        else:
+            seq = q.shape[-2]
+            scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)
+            mask = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
+            probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+            y = functional.dropout(probs, p) @ v
+        batch, seq = x.shape[:2]
+        return self.drop(self.proj(y.transpose(1, 2).reshape(batch, seq, -1)))
+
+
+class Block(nn.Module):
+    """A pre-LayerNorm Transformer block (GPT-2): ``x + attn(ln1(x))``, then ``+ mlp(ln2(x))``.
+
+    Input and output ``[B, T, d_model]``. The MLP is
+    :class:`~ddp_course.tensor_parallel.FeedForward` with 4 d hidden
+    features and GELU, followed by dropout.
+
+    Args:
+        d_model, n_heads, dropout, flash: as for :class:`CausalSelfAttention`.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0, flash: bool = True):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, n_heads, dropout, flash)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.mlp = FeedForward(d_model, 4 * d_model)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class TinyGPT(nn.Module):
+    """A decoder-only Transformer small enough to train on a CPU (GPT-2's layout).
+
+    Token and learned position embeddings, ``n_layers`` pre-LayerNorm
+    :class:`Block` s, a final LayerNorm and a linear head to the vocabulary
+    (not tied to the embedding, so each can be split on its own).
+    Input ``int64 [B, T]`` with ``T <= seq_len``; output logits
+    ``[B, T, vocab_size]`` in the parameters' dtype. Weights are drawn from
+    N(0, 0.02), biases zero, as in GPT-2 (Radford et al. 2019), so two
+    models built after the same ``torch.manual_seed`` are equal.
+
+    The defaults (256 byte values, d=64, 4 heads, 2 layers, 64 positions;
+    137,000 parameters) train on the bundled Shakespeare bytes in
+    seconds on a CPU.
+
+    Args:
+        vocab_size: token values V.
+        d_model: width d.
+        n_heads: attention heads a.
+        n_layers: blocks L.
+        seq_len: longest input T (the number of position embeddings).
+        dropout: dropout after the embeddings, on the attention weights and
+            after each residual branch.
+        flash: see :class:`CausalSelfAttention`.
+
+    Raises:
+        ValueError: ``d_model`` is not a multiple of ``n_heads`` (at
+            construction), or an input longer than ``seq_len`` (in forward).
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        d_model: int = 64,
+        n_heads: int = 4,
+        n_layers: int = 2,
+        seq_len: int = 64,
+        dropout: float = 0.0,
+        flash: bool = True,
+    ):
+        super().__init__()
+        self.seq_len = seq_len
+        self.tok_emb = nn.Embedding(vocab_size, d_model)
+        self.pos_emb = nn.Embedding(seq_len, d_model)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(
+            Block(d_model, n_heads, dropout, flash) for _ in range(n_layers)
+        )
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        seq = idx.shape[1]
+        if seq > self.seq_len:
+            raise ValueError(f"input of {seq} tokens is longer than seq_len={self.seq_len}")
+        positions = torch.arange(seq, device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(positions))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+    @torch.no_grad()
+    def generate(
+        self, idx: torch.Tensor, new_tokens: int, temperature: float = 1.0,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """Append ``new_tokens`` sampled tokens to ``idx`` (``int64 [B, T]``).
+
+        Each step feeds the last ``seq_len`` tokens and samples from the
+        softmax of the last position's logits divided by ``temperature``.
+
+        Returns:
+            ``int64 [B, T + new_tokens]``.
+        """
+        for _ in range(new_tokens):
+            logits = self(idx[:, -self.seq_len :])[:, -1] / temperature
+            probs = logits.float().softmax(-1)
+            idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator)], dim=1)
+        return idx
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over every position of the batch.
+
+    Args:
+        logits: ``[B, T, V]``.
+        targets: ``int64 [B, T]``.
+
+    Returns:
+        A scalar: the sum of the B x T token losses divided by B x T.
+    """
+    return functional.cross_entropy(logits.flatten(0, 1), targets.flatten())

@@ -109,3 +109,26 @@ def test_split_tensors_are_the_data_set_in_memory():
     for i in (0, 999):
         x, y = split.dataset[i]
         assert torch.equal(images[i], x) and labels[i].item() == y
+
+
+def test_shakespeare_bytes_are_the_three_plays_split_train_val():
+    every = data.shakespeare_bytes("all")
+    assert every.dtype == torch.int64 and len(every) == 298_115
+    assert int(every.min()) >= 10 and int(every.max()) < 128  # ASCII text
+    train, val = data.shakespeare_bytes("train"), data.shakespeare_bytes("val")
+    torch.testing.assert_close(torch.cat([train, val]), every)
+    assert len(val) == len(every) - int(len(every) * 0.9)
+    assert bytes(every[:7].tolist()) == b"MACBETH"
+    with pytest.raises(ValueError, match="split"):
+        data.shakespeare_bytes("test")
+
+
+def test_lm_batch_targets_are_the_next_tokens():
+    tokens = torch.arange(100)
+    x, y = data.lm_batch(tokens, 4, 10, torch.Generator().manual_seed(0))
+    assert x.shape == y.shape == (4, 10)
+    torch.testing.assert_close(y, x + 1)
+    again = data.lm_batch(tokens, 4, 10, torch.Generator().manual_seed(0))
+    torch.testing.assert_close(again[0], x)
+    with pytest.raises(ValueError, match="longer than seq_len"):
+        data.lm_batch(torch.arange(5), 1, 5, torch.Generator())

@@ -44,3 +44,47 @@ def test_mlp_and_layer_stack_shapes():
 def test_resnet18_mnist_takes_one_channel():
     out = models.resnet18_mnist().eval()(torch.randn(2, 1, 28, 28))
     assert out.shape == (2, 10)
+
+
+def test_tiny_gpt_shapes_and_causality():
+    torch.manual_seed(0)
+    gpt = models.TinyGPT(vocab_size=32, d_model=16, n_heads=2, n_layers=2, seq_len=8).eval()
+    idx = torch.randint(32, (3, 8))
+    logits = gpt(idx)
+    assert logits.shape == (3, 8, 32)
+    # Changing the last token changes no earlier position's logits.
+    later = idx.clone()
+    later[:, -1] = (later[:, -1] + 1) % 32
+    torch.testing.assert_close(gpt(later)[:, :-1], logits[:, :-1])
+    assert not torch.allclose(gpt(later)[:, -1], logits[:, -1])
+    with pytest.raises(ValueError, match="longer than seq_len"):
+        gpt(torch.zeros(1, 9, dtype=torch.long))
+    with pytest.raises(ValueError, match="multiple of n_heads"):
+        models.TinyGPT(d_model=10, n_heads=4)
+
+
+def test_tiny_gpt_written_out_attention_equals_the_fused_kernel():
+    torch.manual_seed(0)
+    fused = models.TinyGPT(d_model=16, n_heads=4, seq_len=8).double()
+    written = models.TinyGPT(d_model=16, n_heads=4, seq_len=8, flash=False).double()
+    written.load_state_dict(fused.state_dict())
+    idx = torch.randint(256, (2, 8))
+    torch.testing.assert_close(written(idx), fused(idx), rtol=1e-12, atol=1e-12)
+
+
+def test_tiny_gpt_same_seed_same_weights_and_gpt2_init():
+    torch.manual_seed(3)
+    a = models.TinyGPT()
+    torch.manual_seed(3)
+    b = models.TinyGPT()
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+    assert abs(a.head.weight.std().item() - 0.02) < 0.002
+    assert a.blocks[0].attn.q.bias.abs().max() == 0
+
+
+def test_lm_loss_is_the_mean_over_every_token():
+    logits = torch.randn(2, 3, 5)
+    targets = torch.randint(5, (2, 3))
+    per_token = -logits.log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1)
+    torch.testing.assert_close(models.lm_loss(logits, targets), per_token.mean())
