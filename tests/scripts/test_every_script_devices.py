@@ -267,7 +267,8 @@ class _Checker:
             stateless_loss = getattr(obj, "__module__", "") == "torch.nn.modules.loss"
             return _is_module_class(obj) and not _is_wrapper(obj) and not stateless_loss
         obj = self.resolve(dotted)
-        if obj is None or not getattr(obj, "__module__", "").startswith("ddp_course"):
+        # Some objects (functools.partial, typing constructs) have __module__ None.
+        if obj is None or not (getattr(obj, "__module__", None) or "").startswith("ddp_course"):
             return False
         if _is_module_class(obj):
             return not _is_wrapper(obj)

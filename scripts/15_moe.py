@@ -1,0 +1,232 @@
+"""Mixture of experts with expert parallelism: uneven all-to-all, capacity, load balancing.
+
+Run from the repository root:
+    python scripts/15_moe.py
+    torchrun --nproc_per_node=2 scripts/15_moe.py
+    torchrun --nproc_per_node=4 scripts/15_moe.py --experts 8
+
+Every rank builds the same MoE layer (same seed) and keeps E / world_size of
+its experts. Part 1, in float64: each rank routes its slice of one global
+batch, sends every kept assignment to the rank holding its expert with
+dist.all_to_all_single (split sizes from the routing, exchanged first), and
+gets the results back with a second all-to-all. The script asserts that the
+output and every gradient equal the one-process MoE with one capacity group
+per rank, that PyTorch's all_to_all_single_autograd gives the same, and that
+the bytes each rank sent to others (counted by wrapping
+dist.all_to_all_single) equal the count from its routing. Part 2: a byte-level
+language model (embedding, expert-parallel MoE, head) trains on Shakespeare
+for each --aux-weights value, and the script reports the tokens per expert.
+Results go to --results (rank 0).
+"""
+
+import argparse
+import contextlib
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+
+from ddp_course import expert_parallel as ep
+from ddp_course.data import lm_batch, shakespeare_bytes
+from ddp_course.models import lm_loss
+from ddp_course.runtime import distributed, get_logger
+from ddp_course.tools.records import write_results
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--d-model", type=int, default=16, help="features in and out of the layer")
+    p.add_argument("--hidden", type=int, default=32, help="hidden features of each expert")
+    p.add_argument("--experts", type=int, default=4, help="E, a multiple of the world size")
+    p.add_argument("--k", type=int, default=2, help="experts per token in part 1")
+    p.add_argument("--capacity-factor", type=float, default=1.0, help="part 1's capacity factor")
+    p.add_argument("--tokens", type=int, default=24, help="tokens per rank in part 1")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--seq-len", type=int, default=32, help="tokens per sequence")
+    p.add_argument("--steps", type=int, default=30, help="training steps in part 2")
+    p.add_argument("--router-skew", type=float, default=0.3,
+                   help="part 2 starts with the router leaning to expert 0")  # fmt: skip
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--aux-weights", type=float, nargs="+", default=[0.0, 0.1],
+                   help="load-balancing loss weights to train with in part 2")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--results", help="write the measurements here as JSON (rank 0)")
+    return p.parse_args()
+
+
+@contextlib.contextmanager
+def watching_all_to_all(calls):
+    """Append every dist.all_to_all_single call's dtype, row bytes and splits to ``calls``."""
+    original = dist.all_to_all_single
+
+    def counted(output, input, output_split_sizes=None, input_split_sizes=None, **kw):
+        row = input[0].numel() * input.element_size() if len(input) else 0
+        calls.append({"dtype": str(input.dtype), "row_bytes": row, "send": input_split_sizes})
+        return original(output, input, output_split_sizes, input_split_sizes, **kw)
+
+    dist.all_to_all_single = counted
+    try:
+        yield
+    finally:
+        dist.all_to_all_single = original
+
+
+def torch_all_to_all(x, output_splits, input_splits, group):
+    """PyTorch's differentiable uneven all-to-all (its backward is the reverse exchange)."""
+    group = group or dist.group.WORLD
+    return funcol.wait_tensor(
+        funcol.all_to_all_single_autograd(x, output_splits, input_splits, group)
+    )
+
+
+def whole_moe(args, k, capacity_factor, dtype=torch.float32):
+    torch.manual_seed(args.seed)  # the same layer on every rank
+    return ep.MoE(args.d_model, args.hidden, args.experts, k, capacity_factor).to(dtype)
+
+
+def max_over_ranks(value):
+    t = torch.tensor(float(value), dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def expert_parallel_run(layer, x, w, n):
+    """Output, input grad, router grad (summed over ranks), expert grads; rank's loss share."""
+    x = x.clone().requires_grad_()
+    y, routing, splits = layer(x)
+    ((y * w).sum() + routing.aux_loss / n).backward()
+    router = layer.router.weight.grad.clone()
+    dist.all_reduce(router)  # replicated: each rank holds its own tokens' share
+    experts = [q.grad for e in layer.experts for q in e.parameters()]
+    return y, x.grad, router, experts, routing, splits
+
+
+def ref_copy(args, dev):
+    return whole_moe(args, args.k, args.capacity_factor, torch.float64).to(dev)
+
+
+def check(args, ctx):
+    """Part 1: expert parallel against one process in float64, bytes against the routing."""
+    n, r, dev = ctx.world_size, ctx.rank, ctx.device
+    gen = torch.Generator().manual_seed(1)  # the same global batch on every rank
+    x = torch.randn(n * args.tokens, args.d_model, generator=gen, dtype=torch.float64).to(dev)
+    w = torch.randn(n * args.tokens, args.d_model, generator=gen, dtype=torch.float64).to(dev)
+    mine = slice(r * args.tokens, (r + 1) * args.tokens)
+
+    ref = whole_moe(args, args.k, args.capacity_factor, torch.float64).to(dev)
+    x_ref = x.clone().requires_grad_()
+    y_ref, groups = ref(x_ref, groups=n)  # capacity per rank's tokens, as expert parallel does
+    ((y_ref * w).sum() + torch.stack([g.aux_loss for g in groups]).mean()).backward()
+
+    # NEW: the experts spread over the ranks, tokens exchanged by all-to-all.
+    calls = []
+    ours = ep.ExpertParallelMoE(ref_copy(args, dev), r, n).to(dev)
+    with watching_all_to_all(calls):
+        y, xg, router, experts, routing, splits = expert_parallel_run(ours, x[mine], w[mine], n)
+    ref_experts = [q.grad for e in ours.local for q in ref.experts[e].parameters()]
+    diffs = {
+        "output": (y - y_ref[mine]).abs().max().item(),
+        "input gradient": (xg - x_ref.grad[mine]).abs().max().item(),
+        "router gradient": (router - ref.router.weight.grad).abs().max().item(),
+        "expert gradients": max((a - b).abs().max().item() for a, b in zip(experts, ref_experts)),
+    }
+    diffs = {k: max_over_ranks(v) for k, v in diffs.items()}
+
+    theirs = ep.ExpertParallelMoE(ref_copy(args, dev), r, n, exchange=torch_all_to_all).to(dev)
+    t_y, t_xg, t_router, t_experts, _, _ = expert_parallel_run(theirs, x[mine], w[mine], n)
+    torch_diffs = {
+        "output": (t_y - y).abs().max().item(),
+        "input gradient": (t_xg - xg).abs().max().item(),
+        "router gradient": (t_router - router).abs().max().item(),
+        "expert gradients": max((a - b).abs().max().item() for a, b in zip(t_experts, experts)),
+    }
+    torch_diffs = {k: max_over_ranks(v) for k, v in torch_diffs.items()}
+
+    # Bytes this rank sent to other ranks, measured per call, and as the routing says.
+    per = args.experts // n
+    dest = routing.experts[routing.keep] // per
+    rows = [c for c in calls if c["dtype"] == "torch.float64"]
+    measured = [sum(s for q, s in enumerate(c["send"]) if q != r) * c["row_bytes"] for c in rows]
+    mine_report = {
+        "rank": r, "send": splits["send"], "receive": splits["receive"],
+        "routed": routing.routed.tolist(), "kept": routing.kept.tolist(),
+        "dropped": routing.dropped, "capacity": routing.capacity,
+        "measured_bytes_to_others": measured,
+        "routing_bytes_to_others": int((dest != r).sum()) * args.d_model * 8,
+    }  # fmt: skip
+    per_rank = [None] * n
+    dist.all_gather_object(per_rank, mine_report)
+    return {"diffs": diffs, "torch_diffs": torch_diffs, "per_rank": per_rank,
+            "reference_routed": [g.routed.tolist() for g in groups],
+            "reference_dropped": [g.dropped for g in groups]}  # fmt: skip
+
+
+def train(args, ctx, aux_weight, text):
+    """Part 2: a byte-level LM with an expert-parallel top-1 MoE; tokens per expert."""
+    n, dev = ctx.world_size, ctx.device
+    torch.manual_seed(args.seed)
+    emb, head = nn.Embedding(256, args.d_model).to(dev), nn.Linear(args.d_model, 256).to(dev)
+    whole = whole_moe(args, 1, 1.25).to(dev)
+    with torch.no_grad():
+        # A shared direction in every token's embedding, and expert 0's router row
+        # leaning along it: training starts with the router collapsed onto expert 0.
+        emb.weight += 1.0
+        whole.router.weight[0] += args.router_skew
+    moe = ep.ExpertParallelMoE(whole, ctx.rank, n).to(dev)
+    replicated = [*emb.parameters(), *head.parameters(), *moe.router.parameters()]
+    opt = torch.optim.Adam([*replicated, *moe.experts.parameters()], lr=args.lr)
+    gen = torch.Generator().manual_seed(1000 + ctx.rank)  # each rank its own batches
+    cv, losses = [], []
+    for _ in range(args.steps):
+        x, y = (t.to(dev) for t in lm_batch(text, args.batch_size, args.seq_len, gen))
+        h = emb(x)
+        out, routing, _ = moe(h)
+        loss = lm_loss(head(h + out), y)  # the residual carries dropped tokens
+        # This rank's share of the global mean; the experts' gradients arrive summed over
+        # ranks through the reverse all-to-all, the replicated ones are summed here.
+        ((loss + aux_weight * routing.aux_loss) / n).backward()
+        for q in replicated:
+            dist.all_reduce(q.grad)
+        opt.step()
+        opt.zero_grad()
+        counts = routing.routed.to(torch.float64)
+        dist.all_reduce(counts)
+        cv.append((counts.std(unbiased=False) / counts.mean()).item())
+        losses.append(loss.item())
+    with torch.no_grad():  # a held-out batch, the same seed for every weight
+        x, _ = lm_batch(text, args.batch_size, args.seq_len, torch.Generator().manual_seed(7))
+        _, routing, _ = moe(emb(x.to(dev)))
+    stats = torch.stack([routing.routed, routing.kept]).to(torch.float64)
+    dist.all_reduce(stats)
+    routed, kept = stats[0], stats[1]
+    return {"aux_weight": aux_weight, "routed": routed.long().tolist(),
+            "kept": kept.long().tolist(), "dropped": int((routed - kept).sum()),
+            "cv": (routed.std(unbiased=False) / routed.mean()).item(),
+            "cv_last_10_steps": sum(cv[-10:]) / len(cv[-10:]),
+            "max_over_mean": (routed.max() / routed.mean()).item(),
+            "cv_per_step": cv, "loss_per_step": losses}  # fmt: skip
+
+
+def main():
+    args = parse_args()
+    with distributed(group_of_one=True) as ctx:
+        log = get_logger(ctx)
+        ep.experts_of_rank(args.experts, ctx.world_size, ctx.rank)  # clear error, early
+        result = {"world_size": ctx.world_size, "device": str(ctx.device),
+                  "d_model": args.d_model, "experts": args.experts, "k": args.k,
+                  "capacity_factor": args.capacity_factor, "tokens": args.tokens}  # fmt: skip
+        result.update(check(args, ctx))
+        log.info(f"{ctx.world_size} ranks: |expert parallel - one process| <= "
+                 f"{max(result['diffs'].values()):.1e}, |all_to_all_single_autograd - ours| "
+                 f"<= {max(result['torch_diffs'].values()):.1e}")  # fmt: skip
+        text = shakespeare_bytes("train").to(ctx.device)
+        result["training"] = [train(args, ctx, w, text) for w in args.aux_weights]
+        for t in result["training"]:
+            log.info(f"aux weight {t['aux_weight']}: tokens per expert {t['routed']}, "
+                     f"CV {t['cv']:.2f}, dropped {t['dropped']}")  # fmt: skip
+        write_results(ctx, args.results, result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Context parallelism on 2, 3 and 4 gloo ranks against one process: ring attention (Liu et al.
+2023), zig-zag placement, DeepSpeed-Ulysses (Jacobs et al. 2023) and the all-gather version,
+causal and with packed documents, float64 and float32, outputs and q/k/v gradients; bytes sent
+counted by wrapping the send and all-to-all calls; work per rank counted by wrapping the block
+product; four mistakes caught; bad sizes refused with a ValueError.
+"""
+
+import math
+import pathlib
+
+import pytest
+
+from ddp_course import context_parallel as cp
+from ddp_course.harness import launch
+
+BATCH, HEADS, T_LOCAL, HEAD_DIM = 2, 12, 6, 4
+ARGS = ["--batch-size", str(BATCH), "--heads", str(HEADS), "--t-local", str(T_LOCAL),
+        "--head-dim", str(HEAD_DIM)]  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"{n}ranks")
+def job(request):
+    """One launched job per world size; its results feed every test below."""
+    worker = pathlib.Path(__file__).resolve().parents[1] / "workers"
+    result = launch.torchrun(worker / "context_parallel_check.py", ARGS, nproc=request.param,
+                             results=True, echo=False, timeout_s=240)  # fmt: skip
+    assert result.results["world_size"] == request.param
+    return result.results
+
+
+def differing(checks):
+    return sorted(name for name, why in checks.items() if why is not None)
+
+
+def test_every_method_equals_one_process(job):
+    # ring / Ulysses / all-gather x contiguous / zigzag x causal / documents x float64 / float32,
+    # plus ring without a mask; output and q, k, v gradients on every rank.
+    for rank, report in enumerate(job["ranks"]):
+        assert len(report["fails"]) == 2 * (3 * 2 * 2 + 1), f"rank {rank} checked too little"
+        for name, checks in report["fails"].items():
+            assert set(checks) == {"output", "dq", "dk", "dv"}
+            assert differing(checks) == [], f"rank {rank}, {name}"
+
+
+def test_merge_without_lse_correction_is_caught(job):
+    reports = [r["mistakes"]["merge_without_lse_correction"] for r in job["ranks"]]
+    # Rank 0 sees one block only (causal), so its output cannot tell; every later rank can.
+    assert differing(reports[0]) and "output" not in differing(reports[0])
+    for report in reports[1:]:
+        assert {"output", "dq", "dk"} <= set(differing(report))
+
+
+def test_causal_mask_per_chunk_is_caught(job):
+    for report in job["ranks"]:
+        fails = differing(report["mistakes"]["causal_mask_per_chunk"])
+        assert fails == ["dk", "dq", "dv", "output"]
+
+
+def test_document_boundaries_ignored_are_caught(job):
+    # The document of 5 tokens then 1 then 7 ... makes every rank's output differ.
+    for report in job["ranks"]:
+        assert "output" in differing(report["mistakes"]["documents_ignored"])
+
+
+def test_torch_deprecated_all_gather_wrong_gradients_unless_batch_and_heads_are_one(job):
+    for report in job["ranks"]:
+        m = report["mistakes"]
+        # Forward is right; K and V gradients are wrong with batch 2, 3 heads.
+        assert differing(m["torch_all_gather b2 h3"]) == ["dk", "dv"]
+        assert differing(m["torch_all_gather b1 h1"]) == []
+        assert differing(m["gather_sequence b2 h3"]) == []
+
+
+def test_bytes_sent_match_the_formulas(job):
+    n = job["world_size"]
+    shape = (BATCH, HEADS, T_LOCAL, HEAD_DIM)
+    for report in job["ranks"]:
+        c = report["counted"]
+        assert c["ring contiguous"]["local_shape"] == list(shape)
+        for layout in ("ring contiguous", "ring zigzag"):
+            assert c[layout]["bytes"] == {"p2p": cp.ring_bytes(shape, 4, n), "all_to_all": 0}
+        assert c["ulysses"]["bytes"] == {"p2p": 0, "all_to_all": cp.ulysses_bytes(shape, 4, n)}
+        # The formulas spelled out, in case both sides drift together.
+        assert cp.ring_bytes(shape, 4, n) == 2 * (n - 1) * math.prod(shape) * 4
+        assert cp.ulysses_bytes(shape, 4, n) * n == 4 * (n - 1) * math.prod(shape) * 4
+
+
+def test_zigzag_balances_the_causal_work(job):
+    n = job["world_size"]
+    contiguous = [r["counted"]["ring contiguous"]["work"] for r in job["ranks"]]
+    zigzag = [r["counted"]["ring zigzag"]["work"] for r in job["ranks"]]
+    # What the forward computed equals what the schedule says (the notebook counts the latter).
+    assert contiguous == [r["schedule_work"]["contiguous"] for r in job["ranks"]]
+    assert zigzag == [r["schedule_work"]["zigzag"] for r in job["ranks"]]
+    # Contiguous: rank r computes r+1 blocks; visible pairs from T(T+1)/2 to (n-1)T^2+T(T+1)/2.
+    assert [w["blocks"] for w in contiguous] == list(range(1, n + 1))
+    tri = T_LOCAL * (T_LOCAL + 1) // 2
+    assert [w["visible"] for w in contiguous] == [r * T_LOCAL**2 + tri for r in range(n)]
+    assert len({w["visible"] for w in zigzag}) == 1 and len({w["pairs"] for w in zigzag}) == 1
+
+
+def test_bad_sizes_are_refused(job):
+    for report in job["ranks"]:
+        e = report["errors"]
+        assert "5 heads are not divisible by" in e["ulysses 5 heads"]
+        assert "even number of tokens per rank" in e["ring odd zigzag"]
+        assert "same shape" in e["ring shapes differ"]

@@ -1,0 +1,88 @@
+"""Lesson 15's scripts, checked by what they report, as a plain process and on 2 ranks.
+
+15_context_parallel.py: ring attention, Ulysses and the all-gather version equal one
+process (float64, float32), bytes sent equal the formulas, zig-zag balances the causal
+work, the two mistakes show, PyTorch's context_parallel is refused on CPU, the bfloat16
+sweep. 15_moe.py: the expert-parallel layer equals one process and PyTorch's
+all_to_all_single_autograd, bytes sent equal the routing's count.
+
+Elsewhere: 2, 3 and 4 ranks with the mistakes broken on purpose in
+tests/multiprocess/test_context_parallel.py and
+test_expert_parallel.py; 4 ranks under nbval in notebook 15.
+"""
+
+import math
+
+import pytest
+
+from ddp_course.harness import launch
+
+ARGS = ["--batch-size", "2", "--heads", "2", "--t-local", "4", "--head-dim", "4",
+        "--chunks", "1", "4"]  # fmt: skip
+SHAPE = (2, 2, 4, 4)
+
+
+def check(r, p):
+    assert r["world_size"] == p and r["local_shape"] == list(SHAPE)
+    assert len(r["diffs"]) == 24
+    for name, d in r["diffs"].items():
+        assert max(d.values()) <= (1e-12 if "float64" in name else 1e-5), name
+    m = r["mistakes"]
+    assert max(m["documents masked"].values()) <= 1e-12
+    assert max(m["gather_sequence, batch 2, heads 3"].values()) <= 1e-12
+    elems = math.prod(SHAPE)
+    assert r["formulas"] == {
+        "ring": 2 * (p - 1) * elems * 4,
+        "ulysses": 4 * (p - 1) * elems * 4 // p,
+    }
+    for counts in r["counts"]:
+        assert counts["ring contiguous"]["bytes"] == counts["ring zigzag"]["bytes"]
+        assert counts["ring contiguous"]["bytes"] == r["formulas"]["ring"]
+        assert counts["ulysses"]["bytes"] == r["formulas"]["ulysses"]
+    if r["device"] == "cpu":
+        assert not r["torch_context_parallel"]["ran"]
+        assert "for_cpu" in r["torch_context_parallel"]["error"]
+    assert [row["chunks"] for row in r["bf16_sweep"]] == [1, 4]
+    assert all(row["float32"] < 1e-5 for row in r["bf16_sweep"])
+
+
+def test_context_parallel_as_plain_python(root):
+    r = launch.python(root / "scripts/15_context_parallel.py", ARGS, results=True, echo=False,
+                      timeout_s=120).results  # fmt: skip
+    check(r, 1)
+    assert r["ulysses_refused"] is None  # one rank divides any number of heads
+
+
+@pytest.mark.parametrize("p", [2])
+def test_context_parallel_on_two_ranks(root, p):
+    r = launch.torchrun(root / "scripts/15_context_parallel.py", ARGS, nproc=p, results=True,
+                        echo=False, timeout_s=180).results  # fmt: skip
+    check(r, p)
+    m = r["mistakes"]
+    assert max(m["documents ignored"].values()) > 0.1  # rank 0 alone: k, v gradients
+    assert m["torch all_gather, batch 2, heads 3"]["dk"] > 0.1
+    assert max(m["torch all_gather, batch 1, heads 1"].values()) <= 1e-12
+    visible = [c["ring zigzag"]["visible"] for c in r["counts"]]
+    assert len(set(visible)) == 1
+    contiguous = [c["ring contiguous"]["visible"] for c in r["counts"]]
+    assert contiguous == [10, 26]  # 4(4+1)/2, then 16 + 10
+    assert "3 heads are not divisible by 2 ranks" in r["ulysses_refused"]
+
+
+@pytest.mark.parametrize("run", ["python", "torchrun"])
+def test_moe_script_equals_one_process_and_counts_bytes(root, run):
+    args = ["--tokens", "8", "--steps", "3"]
+    if run == "python":
+        job = launch.python(root / "scripts/15_moe.py", args, results=True, echo=False,
+                            timeout_s=120)  # fmt: skip
+    else:
+        job = launch.torchrun(root / "scripts/15_moe.py", args, nproc=2, results=True,
+                              echo=False, timeout_s=240)  # fmt: skip
+    r = job.results
+    assert r["world_size"] == (1 if run == "python" else 2)
+    assert max(r["diffs"].values()) <= 1e-12
+    assert max(r["torch_diffs"].values()) <= 1e-12
+    assert len(r["per_rank"]) == r["world_size"]
+    for p in r["per_rank"]:
+        assert p["measured_bytes_to_others"][0] == p["routing_bytes_to_others"]
+    assert {t["aux_weight"] for t in r["training"]} == {0.0, 0.1}

@@ -1,0 +1,139 @@
+"""The one-process MoE: capacity (Switch Transformer eq. 3), top-k routing with GShard's
+priority, the load-balancing loss (Switch eq. 4) and the layer, each against a loop written
+out token by token; bad input refused with a clear error.
+"""
+
+import math
+
+import pytest
+import torch
+
+from ddp_course import expert_parallel as ep
+
+D, HIDDEN = 6, 10
+
+
+def test_capacity_is_the_ceiling_of_factor_tokens_k_over_experts():
+    assert ep.capacity(12, 4, 1, 1.0) == 3
+    assert ep.capacity(12, 4, 2, 1.0) == 6
+    assert ep.capacity(10, 4, 1, 1.25) == 4  # 3.125 rounds up
+    assert ep.capacity(0, 4, 1, 1.0) == 0
+    with pytest.raises(ValueError, match="1 <= k <= num_experts"):
+        ep.capacity(8, 4, 5, 1.0)
+    with pytest.raises(ValueError, match="capacity_factor > 0"):
+        ep.capacity(8, 4, 1, 0.0)
+
+
+def test_route_drops_in_gshard_order_first_choices_before_second():
+    # 4 tokens, 2 experts, top-2, capacity ceil(0.5 * 4 * 2 / 2) = 2 slots per expert.
+    logits = torch.tensor([[2.0, 0.0], [1.0, 0.0], [0.0, 1.0], [3.0, 0.0]])
+    r = ep.route(logits, k=2, capacity_factor=0.5)
+    assert r.capacity == 2
+    assert r.experts.tolist() == [[0, 1], [0, 1], [1, 0], [0, 1]]
+    # First choices: expert 0 gets tokens 0, 1 and 3 -> token 3 dropped; expert 1 gets
+    # token 2. Second choices: expert 1 has one slot left (token 0), expert 0 none.
+    assert r.keep.tolist() == [[True, True], [True, False], [True, False], [False, False]]
+    assert r.routed.tolist() == [4, 4]
+    assert r.kept.tolist() == [2, 2]
+    assert r.dropped == 4
+
+
+def test_gates_renormalised_for_top2_raw_for_top1():
+    logits = torch.randn(5, 4, generator=torch.Generator().manual_seed(0))
+    probs = torch.softmax(logits, -1)
+    top1 = ep.route(logits, k=1, capacity_factor=10.0)
+    torch.testing.assert_close(top1.gates[:, 0], probs.max(-1).values)
+    top2 = ep.route(logits, k=2, capacity_factor=10.0)
+    torch.testing.assert_close(top2.gates.sum(-1), torch.ones(5))
+    raw = ep.route(logits, k=2, capacity_factor=10.0, normalize=False)
+    assert (raw.gates.sum(-1) < 1).all()
+
+
+def test_aux_loss_is_switch_eq4_counted_token_by_token():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(16, 4, generator=gen, dtype=torch.float64)
+    r = ep.route(logits, k=2, capacity_factor=1.0)
+    probs = torch.softmax(logits, -1)
+    counts = [0] * 4
+    for t in range(16):
+        for e in sorted(range(4), key=lambda e: -probs[t, e])[:2]:
+            counts[e] += 1
+    expected = 4 * sum(counts[i] / 32 * probs[:, i].mean() for i in range(4))
+    torch.testing.assert_close(r.aux_loss, expected, rtol=1e-12, atol=1e-12)
+    # A router that gives every expert the same share has the loss's minimum, 1.
+    even = torch.tensor([[5.0, 0, 0, 0], [0, 5.0, 0, 0], [0, 0, 5.0, 0], [0, 0, 0, 5.0]])
+    assert ep.route(even, k=1, capacity_factor=1.0).aux_loss.item() == pytest.approx(1.0)
+    skewed = torch.tensor([[5.0, 0, 0, 0]] * 4)
+    assert ep.route(skewed, k=1, capacity_factor=1.0).aux_loss.item() > 3
+
+
+def moe(k=2, capacity_factor=1.0, experts=4):
+    torch.manual_seed(0)
+    return ep.MoE(D, HIDDEN, experts, k, capacity_factor).double()
+
+
+def by_hand(layer, x, groups=1):
+    """The layer's output token by token: a loop over groups, tokens and choices."""
+    out = torch.zeros_like(x)
+    n = x.shape[0] // groups
+    for g in range(groups):
+        probs = torch.softmax(layer.router(x[g * n : (g + 1) * n]), -1)
+        cap = math.ceil(layer.capacity_factor * n * layer.k / layer.num_experts)
+        used = [0] * layer.num_experts
+        top = probs.topk(layer.k, -1)
+        gates = top.values / top.values.sum(-1, keepdim=True) if layer.k > 1 else top.values
+        for j in range(layer.k):
+            for t in range(n):
+                e = int(top.indices[t, j])
+                used[e] += 1
+                if used[e] <= cap:
+                    token = g * n + t
+                    out[token] += gates[t, j] * layer.experts[e](x[token])
+    return out
+
+
+@pytest.mark.parametrize("k, factor, groups", [(1, 1.0, 1), (2, 1.0, 1), (2, 0.75, 2), (2, 9, 3)])
+def test_moe_equals_the_loop_token_by_token(k, factor, groups):
+    layer = moe(k, factor)
+    x = torch.randn(12, D, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    y, routings = layer(x, groups=groups)
+    torch.testing.assert_close(y, by_hand(layer, x, groups), rtol=1e-12, atol=1e-12)
+    assert len(routings) == groups
+    if factor < 1:
+        assert sum(r.dropped for r in routings) > 0
+
+
+def test_a_token_with_every_choice_dropped_gets_zero():
+    layer = moe(k=1, capacity_factor=0.25)  # capacity 1 for 4 tokens and 4 experts
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        layer.router.weight[0, 0] = 1.0  # every token prefers expert 0
+    x = torch.ones(4, D, dtype=torch.float64)
+    y, (r,) = layer(x)
+    assert r.kept.tolist() == [1, 0, 0, 0] and r.dropped == 3
+    assert y[0].abs().sum() > 0 and torch.equal(y[1:], torch.zeros(3, D, dtype=torch.float64))
+
+
+def test_batch_time_input_is_flattened_row_major():
+    layer = moe()
+    x = torch.randn(2, 6, D, dtype=torch.float64)
+    y, _ = layer(x)
+    assert y.shape == x.shape
+    torch.testing.assert_close(y.reshape(12, D), layer(x.reshape(12, D))[0])
+
+
+def test_bad_input_gets_a_clear_error():
+    with pytest.raises(ValueError, match=r"num_experts=6 is not divisible by world_size=4"):
+        ep.experts_of_rank(6, 4, 0)
+    assert list(ep.experts_of_rank(8, 4, 1)) == [2, 3]
+    with pytest.raises(ValueError, match=r"num_experts=6 is not divisible"):
+        ep.ExpertParallelMoE(moe(experts=6), 0, 4)
+    with pytest.raises(ValueError, match=r"expected \[tokens, 6\]"):
+        moe()(torch.randn(3, 5, dtype=torch.float64))
+    with pytest.raises(ValueError, match="groups=5 must divide the 12 tokens"):
+        moe()(torch.randn(12, D, dtype=torch.float64), groups=5)
+    # Two ranks' worth of experts but no process group: say how to get one, do not hang.
+    with pytest.raises(RuntimeError, match="torchrun"):
+        ep.ExpertParallelMoE(moe(), 0, 2)(torch.randn(4, D, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="torchrun"):
+        ep.all_to_all(torch.randn(3, D), [3], [3])

@@ -1,0 +1,232 @@
+"""Worker: context-parallel attention against one process, counted and broken on purpose.
+
+Every rank builds the same whole-sequence q, k, v (same seed), takes its own
+tokens (contiguous or zig-zag) and compares ring attention, Ulysses and the
+all-gather version with ``scaled_dot_product_attention`` on the whole sequence:
+outputs and q/k/v gradients, float64 and float32, causal and with packed
+documents. Nothing asserts in between (every rank must run the same collectives
+even when a check fails): each check records None or what differed. It counts
+the block products each rank computes (by wrapping ``block_attention``) and the
+bytes each rank sends (by wrapping ``dist.batch_isend_irecv`` and
+``dist.all_to_all_single``). Then it runs the mistakes the checks must catch:
+merging without the log-sum-exp correction, the causal mask applied per chunk,
+document boundaries ignored, and torch's deprecated differentiable all_gather.
+
+    torchrun --nproc_per_node=2 tests/workers/context_parallel_check.py
+"""
+
+import argparse
+import contextlib
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
+
+from ddp_course import context_parallel as cp
+from ddp_course.runtime import distributed
+from ddp_course.tools.records import write_results
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--batch-size", type=int, default=2)
+parser.add_argument("--heads", type=int, default=12)  # divisible by 2, 3 and 4
+parser.add_argument("--t-local", type=int, default=6)
+parser.add_argument("--head-dim", type=int, default=4)
+parser.add_argument("--results")
+args = parser.parse_args()
+
+TOL = {torch.float64: {"rtol": 1e-12, "atol": 1e-12}, torch.float32: {"rtol": 1e-6, "atol": 1e-6}}
+
+
+def mismatch(actual, expected, dtype):
+    """None when close, else assert_close's first line (never raises: collectives go on)."""
+    try:
+        torch.testing.assert_close(actual, expected, **TOL[dtype])
+    except AssertionError as e:
+        return str(e).splitlines()[0]
+    return None
+
+
+def whole(world_size, dtype, batch=None, heads=None):
+    gen = torch.Generator().manual_seed(0)
+    shape = (
+        batch or args.batch_size,
+        heads or args.heads,
+        world_size * args.t_local,
+        args.head_dim,
+    )
+    return [torch.randn(shape, generator=gen, dtype=dtype) for _ in range(4)]  # q, k, v, dO
+
+
+def documents(world_size):
+    """Packed documents of lengths 5, 1, 7, ... cut anywhere by the rank boundaries."""
+    t = world_size * args.t_local
+    lengths, ids, doc = [5, 1, 7, 3, 9, 2], [], 0
+    while len(ids) < t:
+        ids += [doc] * lengths[doc % len(lengths)]
+        doc += 1
+    return torch.tensor(ids[:t])
+
+
+def compare(ctx, fn, dtype, layout="contiguous", causal=True, docs=None, ref_docs="same",
+            batch=None, heads=None, variant="as_written", **kw):  # fmt: skip
+    """Run fn on this rank's tokens; mismatches of output and q, k, v gradients."""
+    ref_docs = docs if ref_docs == "same" else ref_docs
+    q, k, v, grad = whole(ctx.world_size, dtype, batch, heads)
+    ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref = cp.reference_attention(*ref_in, causal=causal, document_ids=ref_docs)
+    (ref * grad).sum().backward()
+
+    def mine(x):
+        return cp.shard_sequence(x, ctx.rank, ctx.world_size, layout)
+
+    local = [mine(x).clone().requires_grad_() for x in (q, k, v)]
+    my_grad = mine(grad)
+    with broken(variant):  # only around the attention: the sharding above stays right
+        out = fn(*local, causal=causal, layout=layout, document_ids=docs, **kw)
+        (out * my_grad).sum().backward()
+    fails = {"output": mismatch(out, mine(ref), dtype)}
+    for name, a, b in zip("qkv", local, ref_in):
+        fails[f"d{name}"] = mismatch(a.grad, mine(b.grad), dtype)
+    return fails
+
+
+@contextlib.contextmanager
+def patched(obj, name, replacement):
+    original = getattr(obj, name)
+    setattr(obj, name, replacement)
+    try:
+        yield
+    finally:
+        setattr(obj, name, original)
+
+
+@contextlib.contextmanager
+def broken(variant):
+    """The mistakes the checks must catch, patched in for the duration."""
+    if variant == "merge_without_lse_correction":
+        # Each block normalised on its own and the outputs simply added.
+        def merge(out_a, lse_a, out_b, lse_b):
+            return out_a + out_b, torch.logaddexp(lse_a, lse_b)
+
+        with patched(cp, "merge_partials", merge):
+            yield
+    elif variant == "causal_mask_per_chunk":
+        # Every rank believes its chunk starts the sequence: a causal triangle per block.
+        original = cp.sequence_segments
+        with patched(
+            cp, "sequence_segments", lambda r, p, t, lay="contiguous": original(0, p, t, lay)
+        ):
+            yield
+    else:
+        yield
+
+
+@contextlib.contextmanager
+def counting_bytes(log):
+    """Bytes this rank sends: every isend in batch_isend_irecv and every all_to_all_single."""
+    p2p, a2a = dist.batch_isend_irecv, dist.all_to_all_single
+
+    def p2p_counted(ops):
+        log["p2p"] += sum(o.tensor.numel() * o.tensor.element_size() for o in ops
+                          if o.op is dist.isend)  # fmt: skip
+        return p2p(ops)
+
+    def a2a_counted(output, input, *a, **kw):
+        log["all_to_all"] += cp.all_to_all_bytes(input, dist.get_world_size())
+        return a2a(output, input, *a, **kw)
+
+    dist.batch_isend_irecv, dist.all_to_all_single = p2p_counted, a2a_counted
+    try:
+        yield
+    finally:
+        dist.batch_isend_irecv, dist.all_to_all_single = p2p, a2a
+
+
+def counted_forward(ctx, fn, layout="contiguous"):
+    """Bytes sent and block products computed by fn's forward on this rank (float32)."""
+    q, k, v, _ = whole(ctx.world_size, torch.float32)
+    local = [cp.shard_sequence(x, ctx.rank, ctx.world_size, layout) for x in (q, k, v)]
+    log, work = {"p2p": 0, "all_to_all": 0}, {"blocks": 0, "pairs": 0, "visible": 0}
+    original = cp.block_attention
+
+    def block(q, k, v, mask):
+        work["blocks"] += 1
+        work["pairs"] += q.shape[2] * k.shape[2]
+        work["visible"] += q.shape[2] * k.shape[2] if mask is None else int(mask.sum())
+        return original(q, k, v, mask)
+
+    with counting_bytes(log), patched(cp, "block_attention", block):
+        fn(*local, causal=True, layout=layout)
+    return {"bytes": log, "work": work, "local_shape": list(local[0].shape)}
+
+
+def torch_gather(x, group=None):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # deprecated: the point of the check
+        return torch.cat(dist_nn.all_gather(x, group), dim=2)
+
+
+def check(ctx):
+    fails, docs = {}, documents(ctx.world_size)
+    for dtype in (torch.float64, torch.float32):
+        d = str(dtype).removeprefix("torch.")
+        for layout in ("contiguous", "zigzag"):
+            for name, fn in (("ring", cp.ring_attention), ("ulysses", cp.ulysses_attention),
+                             ("allgather", cp.allgather_attention)):  # fmt: skip
+                fails[f"{name} {layout} causal {d}"] = compare(ctx, fn, dtype, layout)
+                fails[f"{name} {layout} documents {d}"] = compare(ctx, fn, dtype, layout, docs=docs)
+        fails[f"ring not causal {d}"] = compare(ctx, cp.ring_attention, dtype, causal=False)
+    out = {"fails": fails}
+    out["mistakes"] = {
+        "merge_without_lse_correction": None,
+        "causal_mask_per_chunk": None,
+        "documents_ignored": compare(
+            ctx, cp.ring_attention, torch.float64, docs=None, ref_docs=docs
+        ),  # fmt: skip
+        "torch_all_gather b2 h3": compare(
+            ctx, cp.allgather_attention, torch.float64, batch=2, heads=3, gather=torch_gather
+        ),  # fmt: skip
+        "torch_all_gather b1 h1": compare(
+            ctx, cp.allgather_attention, torch.float64, batch=1, heads=1, gather=torch_gather
+        ),  # fmt: skip
+        "gather_sequence b2 h3": compare(
+            ctx, cp.allgather_attention, torch.float64, batch=2, heads=3
+        ),  # fmt: skip
+    }
+    for variant in ("merge_without_lse_correction", "causal_mask_per_chunk"):
+        out["mistakes"][variant] = compare(ctx, cp.ring_attention, torch.float64, variant=variant)
+    out["counted"] = {
+        "ring contiguous": counted_forward(ctx, cp.ring_attention),
+        "ring zigzag": counted_forward(ctx, cp.ring_attention, "zigzag"),
+        "ulysses": counted_forward(ctx, cp.ulysses_attention),
+    }
+    out["schedule_work"] = {
+        layout: cp.ring_work(ctx.world_size, args.t_local, layout)[ctx.rank]
+        for layout in ("contiguous", "zigzag")
+    }
+    errors = {}
+    q = torch.zeros(1, 5, args.t_local, args.head_dim)  # 5 heads: no world size 2-4 divides it
+    for name, call in (
+        ("ulysses 5 heads", lambda: cp.ulysses_attention(q, q, q)),
+        (
+            "ring odd zigzag",
+            lambda: cp.ring_attention(q[:, :, :-1], q[:, :, :-1], q[:, :, :-1], layout="zigzag"),
+        ),  # fmt: skip
+        ("ring shapes differ", lambda: cp.ring_attention(q, q[:, :1], q)),
+    ):
+        try:
+            call()
+            errors[name] = None
+        except ValueError as e:
+            errors[name] = str(e)
+    out["errors"] = errors
+    return out
+
+
+with distributed(device="cpu") as ctx:
+    mine = check(ctx)
+    gathered = [None] * ctx.world_size
+    dist.all_gather_object(gathered, mine)
+    write_results(ctx, args.results, {"world_size": ctx.world_size, "args": vars(args),
+                                      "ranks": gathered})  # fmt: skip
