@@ -39,7 +39,7 @@ this is a static check of the source (``ast``), with these definitions:
   (6) it is passed to a script function whose parameter is placed there.
   A model also passes through a wrapper call (``DDP(model)``; a class or
   function whose first parameter is ``module`` or ``model``), a batch through
-  ``DataLoader``, ``Subset``, ``iter``, ``zip``... and a batch is placed when it
+  ``DataLoader``, ``Subset``, ``iter``, ``zip``, ``lm_batch``... and a batch is placed when it
   is passed to a ``ddp_course.training`` function that takes ``ctx`` (it moves
   every batch to ``ctx.device``).
 
@@ -82,8 +82,9 @@ BUILDS_NOTHING: dict[str, str] = {
 KNOWN_UNPLACED: dict[str, str] = {}
 
 RANDOM_FACTORIES = {"randn", "rand", "randint"}
-# Calls whose result still holds the batches passed to them.
-CARRIERS = {"DataLoader", "Subset", "TensorDataset", "iter", "next", "enumerate", "zip"}
+# Calls whose result still holds the batches passed to them (lm_batch: windows of the
+# tokens it is given).
+CARRIERS = {"DataLoader", "Subset", "TensorDataset", "iter", "next", "enumerate", "zip", "lm_batch"}
 WRAPPER_FIRST_PARAMS = {"module", "model"}
 
 

@@ -1,0 +1,195 @@
+"""The memory of one training step: activations per checkpointing policy, and FSDP2 in bf16.
+
+Run from the repository root:
+    python scripts/14_memory.py
+    python scripts/14_memory.py --policy none every_block --seq-len 64 --batch-size 8
+    torchrun --nproc_per_node=2 scripts/14_memory.py
+
+Each rank builds the same TinyGPT (written-out attention, dropout on) and, for
+each checkpointing policy, measures the bytes saved for backward with
+saved-tensor hooks, predicts them from the shapes (ddp_course.activation_memory),
+checks that the gradients equal those without checkpointing bit for bit, counts
+the matmul FLOPs of forward and backward (recomputation shows as extra FLOPs)
+and times the step (printed, never asserted). On a GPU it also reads the CUDA
+allocator's peak for each policy against the prediction; on a CPU that part is
+skipped and says so. With 2 or more ranks it shards the model with FSDP2 under
+MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) and measures
+each state's bytes on every rank against the formula. Rank 0 writes --results.
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.utils.flop_counter import FlopCounterMode
+
+from ddp_course import activation_checkpoint as ac
+from ddp_course import activation_memory as am
+from ddp_course.data import lm_batch, shakespeare_bytes
+from ddp_course.models import TinyGPT, lm_loss
+from ddp_course.runtime import distributed, get_logger
+from ddp_course.tools.records import write_results
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--d-model", type=int, default=64, help="model width")
+    p.add_argument("--n-heads", type=int, default=4, help="attention heads")
+    p.add_argument("--n-layers", type=int, default=2, help="Transformer blocks")
+    p.add_argument("--seq-len", type=int, default=32, help="tokens per sequence")
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
+    p.add_argument("--dropout", type=float, default=0.1, help="dropout probability")
+    p.add_argument("--policy", nargs="+", choices=am.POLICIES, default=list(am.POLICIES),
+                   help="checkpointing policies to measure")  # fmt: skip
+    p.add_argument("--steps", type=int, default=3, help="timed steps per policy (median)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the weights and dropout")
+    p.add_argument("--results", help="write the measurements here as JSON (rank 0)")
+    return p.parse_args()
+
+
+def config(args):
+    return {"d_model": args.d_model, "n_heads": args.n_heads, "n_layers": args.n_layers,
+            "seq_len": args.seq_len, "dropout": args.dropout, "flash": False}  # fmt: skip
+
+
+def step(model, x, y, seed):
+    """Forward and backward; returns (saved-tensor counter, loss)."""
+    torch.manual_seed(seed)  # the same dropout masks for every policy
+    with am.SavedTensorCounter(model.parameters()) as saved:
+        loss = lm_loss(model(x), y)
+    loss.backward()
+    return saved, loss
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def measure_policy(args, policy, dev, x, y, reference):
+    torch.manual_seed(args.seed)
+    model = TinyGPT(**config(args)).to(dev)
+    record = ac.apply_policy(model, policy)  # NEW: the policy wraps blocks in place
+    with FlopCounterMode(display=False) as flops:
+        saved, _ = step(model, x, y, args.seed)
+    held = saved.activation_bytes + record.saved_bytes  # before the timed steps add theirs
+    grads = [p.grad for p in model.parameters()]
+    equal = reference is None or all(torch.equal(a, b) for a, b in zip(grads, reference))
+    # CUDA's fused dropout keeps a 1-byte mask; a CPU's keeps one in the input's dtype.
+    mask_bytes = 1 if dev.type == "cuda" else None
+    predicted = am.predict_activations(config(args), args.batch_size, args.seq_len, policy,
+                                       mask_bytes=mask_bytes)  # fmt: skip
+    times = []
+    for _ in range(args.steps):
+        model.zero_grad(set_to_none=True)
+        sync(dev)
+        start = time.perf_counter()
+        step(model, x, y, args.seed)
+        sync(dev)
+        times.append(time.perf_counter() - start)
+    row = {"policy": policy, "measured_bytes": held,
+           "predicted_bytes": predicted["held"], "recompute_bytes": predicted["recompute"],
+           "flops": flops.get_total_flops(), "grads_equal_none": equal,
+           "step_s": statistics.median(times)}  # fmt: skip
+    if dev.type == "cuda":
+        # The allocator's peak above the weights: activations, gradients, logits and the
+        # region recomputed in backward.
+        model.zero_grad(set_to_none=True)
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        step(model, x, y, args.seed)
+        row["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(dev) - base
+        logits = 4 * args.batch_size * args.seq_len * 256
+        row["cuda_predicted_bytes"] = (predicted["held"] + predicted["recompute"] + logits
+                                       + am.state_bytes(model)["gradients"])  # fmt: skip
+    return row, grads
+
+
+def fsdp_mixed_precision(args, ctx):
+    """Bytes of each state on this rank under FSDP2 with bf16 compute, and the formulas."""
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    torch.manual_seed(args.seed)
+    model = TinyGPT(**(config(args) | {"dropout": 0.0})).to(ctx.device)
+    n_params = sum(p.numel() for p in model.parameters())
+    block_params = sum(p.numel() for p in model.blocks[0].parameters())
+    # NEW: parameters stored sharded in float32, gathered in bfloat16 for compute,
+    # gradients reduce-scattered in float32.
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    gathered = []
+
+    def during_compute(module, inputs):  # inside a block's forward: its whole bf16 weights
+        block = next(b for b in model.blocks if b.attn is module)
+        gathered.append([(p.dtype, p.numel() * p.element_size()) for p in block.parameters()])
+
+    for block in model.blocks:
+        block.attn.register_forward_pre_hook(during_compute)
+    x, y = lm_batch(shakespeare_bytes("train"), args.batch_size, args.seq_len,
+                    torch.Generator().manual_seed(args.seed))  # fmt: skip
+    lm_loss(model(x.to(ctx.device)).float(), y.to(ctx.device)).backward()
+    optimizer = torch.optim.AdamW(model.parameters())
+    optimizer.step()
+
+    def local(t):
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    n = ctx.world_size
+    measured = {
+        "sharded_parameters": sum(local(p) for p in model.parameters()),
+        "unsharded_bf16_block": sum(b for _, b in gathered[0]),
+        "gathered_dtypes": sorted({str(d) for g in gathered for d, _ in g}),
+        "sharded_gradients": sum(local(p.grad) for p in model.parameters()),
+        "gradient_dtypes": sorted({str(p.grad.dtype) for p in model.parameters()}),
+        "adamw_state": sum(local(v) for s in optimizer.state.values() for v in s.values()),
+    }
+    tensors = len(list(model.parameters()))
+    formula = {"sharded_parameters": 4 * n_params // n, "unsharded_bf16_block": 2 * block_params,
+               "sharded_gradients": 4 * n_params // n,
+               "adamw_state": 8 * n_params // n + 4 * tensors}  # fmt: skip
+    return {"rank": ctx.rank, "parameters": n_params, "measured": measured, "formula": formula}
+
+
+def main():
+    args = parse_args()
+    with distributed(group_of_one=True) as ctx:
+        log = get_logger(ctx)
+        dev = ctx.device
+        x, y = lm_batch(shakespeare_bytes("train"), args.batch_size, args.seq_len,
+                        torch.Generator().manual_seed(args.seed))  # fmt: skip
+        x, y = x.to(dev), y.to(dev)
+        rows, reference = [], None
+        for policy in ["none"] + [p for p in args.policy if p != "none"]:
+            row, grads = measure_policy(args, policy, dev, x, y, reference)
+            reference = grads if policy == "none" else reference
+            if policy in args.policy:
+                rows.append(row)
+            ms, equal = row["step_s"] * 1e3, row["grads_equal_none"]
+            log.info(f"{policy:>17}: saved {row['measured_bytes']:>9,} B (predicted "
+                     f"{row['predicted_bytes']:,}), {row['flops']:,} FLOPs, grads equal to "
+                     f"none: {equal}, step {ms:.1f} ms")  # fmt: skip
+        if dev.type != "cuda":
+            log.info("skipped: the CUDA allocator's peak per policy needs a GPU")
+        result = {"world_size": ctx.world_size, "device": str(dev), "config": config(args),
+                  "batch_size": args.batch_size, "seq_len": args.seq_len}  # fmt: skip
+        if ctx.world_size > 1:
+            mine = fsdp_mixed_precision(args, ctx)
+            everyone = [None] * ctx.world_size
+            dist.all_gather_object(everyone, mine)
+            result["fsdp"] = everyone
+            m, f = mine["measured"], mine["formula"]
+            log.info(f"FSDP2 bf16/fp32 on {ctx.world_size} ranks, rank 0 bytes: measured {m}, "
+                     f"formula {f}")  # fmt: skip
+        else:
+            log.info("skipped: FSDP2 mixed precision needs 2 or more ranks (torchrun)")
+        write_results(ctx, args.results, result, rows=rows, args=vars(args))
+
+
+if __name__ == "__main__":
+    main()
