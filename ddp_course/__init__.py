@@ -8,8 +8,13 @@ point-to-point), ``comm_cost`` (the bytes each rank moves in them), ``partition`
 asynchronous parameter-server SGD, simulated), ``sampler`` (a distributed sampler
 from scratch), ``ddp`` (DistributedDataParallel from scratch: per-parameter and
 bucketed, overlapped with backward), ``pipeline`` (schedules, their simulation and
-their execution), ``tensor_parallel`` (Megatron-LM's column- and row-parallel MLP),
-``sharding`` (ZeRO stages 1-3 and their memory and traffic), ``checkpoint``,
+their execution), ``tensor_parallel`` (Megatron-LM's column- and row-parallel MLP and attention),
+``sequence_parallel`` (sequence parallelism and tensor-parallel Transformer
+blocks), ``mesh_layouts`` (TinyGPT's layouts on a device mesh with PyTorch's own
+parallelisms), ``sharding`` (ZeRO stages 1-3 and their memory and traffic),
+``activation_memory`` and ``activation_checkpoint`` (what a step saves for
+backward, and recomputing it), ``context_parallel`` (ring attention and Ulysses),
+``expert_parallel`` (a mixture of experts over ranks), ``checkpoint``,
 ``training`` (train and exact evaluation loops), ``data`` and ``models``.
 
 Two subpackages hold the rest: ``tools`` measures and diagnoses a job (``bench``,

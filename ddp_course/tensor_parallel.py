@@ -1,4 +1,4 @@
-"""Tensor parallelism from scratch: Megatron-LM's MLP split across ranks (notebook 08).
+"""Tensor parallelism from scratch: Megatron-LM's MLP (notebook 08) and attention (13).
 
 Shoeybi et al., "Megatron-LM: Training Multi-Billion Parameter Language
 Models Using Model Parallelism", 2019, section 3, split one MLP block
@@ -28,12 +28,20 @@ each rank stores and multiplies 1/N of the weights. :class:`ParallelFeedForward`
 builds the block from a whole :class:`FeedForward`, so a test can compare every
 output and gradient with the single-process block.
 
+Attention splits the same way, by heads (section 3, figure 3(b)):
+:class:`ParallelAttention` keeps whole heads of column-parallel Q, K and V on
+each rank and a row-parallel output projection, with f once before and g
+once after (notebook 13). Sequence parallelism, which also shards the
+LayerNorm and dropout regions, is :mod:`ddp_course.sequence_parallel`.
+
 PyTorch ships the same split as ``ColwiseParallel`` / ``RowwiseParallel``
 plans for ``torch.distributed.tensor.parallel.parallelize_module``
 (https://pytorch.org/docs/stable/distributed.tensor.parallel.html).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -46,6 +54,7 @@ __all__ = [
     "ColumnParallelLinear",
     "CopyToParallel",
     "FeedForward",
+    "ParallelAttention",
     "ParallelFeedForward",
     "ReduceFromParallel",
     "RowParallelLinear",
@@ -339,6 +348,115 @@ class ParallelFeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
+
+    def partial_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the output, no communication and no fc2 bias.
+
+        Input ``[*, d_model]`` (whole), output ``[*, d_model]``: the sum of
+        the N ranks' partial sums plus ``fc2.bias`` is the MLP's output. A
+        sequence-parallel block reduce-scatters it instead of all-reducing it
+        (:mod:`ddp_course.sequence_parallel`).
+        """
+        hidden = self.act(functional.linear(x, self.fc1.weight, self.fc1.bias))
+        return functional.linear(hidden, self.fc2.weight)
+
+
+class ParallelAttention(nn.Module):
+    """Causal self-attention with its heads split over N ranks (Megatron-LM, attention).
+
+    Shoeybi et al. 2019, section 3, figure 3(b): Q, K and V are
+    column-parallel, so rank r computes heads ``r a/N .. (r+1) a/N - 1``
+    whole (attention of one head needs no other head); the output
+    projection is row-parallel and its partial sums are added by one
+    all-reduce. f comes once before Q, K and V together, g once after the
+    projection: one all-reduce of ``[B, T, d]`` in forward and one in
+    backward per attention, whatever N is.
+
+    Built from a whole :class:`ddp_course.models.CausalSelfAttention`
+    (weights copied): ``q``, ``k``, ``v`` are :class:`ColumnParallelLinear`
+    shards ``[d/N, d]``, ``proj`` a :class:`RowParallelLinear` shard
+    ``[d, d/N]`` with the whole bias. Input and output ``[B, T, d]``, equal on
+    every rank, in the weights' dtype. Attention-weight dropout acts on this
+    rank's heads: its random numbers must differ across ranks; the output
+    dropout acts on the replicated output: its random numbers must agree.
+
+    Args:
+        attn: the whole attention module.
+        rank: this rank in the tensor-parallel group.
+        world_size: number of tensor-parallel ranks N.
+        group: the tensor-parallel process group (default: the whole job).
+
+    Raises:
+        ValueError: the number of heads is not divisible by N, or rank and
+            world_size are not those of the process group.
+    """
+
+    def __init__(
+        self,
+        attn: nn.Module,
+        rank: int,
+        world_size: int,
+        group: dist.ProcessGroup | None = None,
+    ):
+        super().__init__()
+        heads = attn.q.out_features // attn.head_dim
+        if heads % world_size:
+            raise ValueError(
+                f"n_heads={heads} is not divisible by the tensor-parallel world size "
+                f"{world_size}: every rank must hold whole heads; use a number of heads that "
+                f"is a multiple of {world_size} or another number of ranks"
+            )
+        self.rank, self.world_size, self.group = rank, world_size, group
+        self.head_dim, self.dropout, self.flash = attn.head_dim, attn.dropout, attn.flash
+        self.q = ColumnParallelLinear(attn.q, rank, world_size, group)
+        self.k = ColumnParallelLinear(attn.k, rank, world_size, group)
+        self.v = ColumnParallelLinear(attn.v, rank, world_size, group)
+        self.proj = RowParallelLinear(attn.proj, rank, world_size, group)
+        self.drop = nn.Dropout(attn.dropout)
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq = x.shape[:2]
+        return x.view(batch, seq, -1, self.head_dim).transpose(1, 2)
+
+    def partial_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's heads, projected: ``[B, T, d]`` in, partial sum ``[B, T, d]`` out.
+
+        No communication and no projection bias: the N ranks' partial sums
+        plus ``proj.bias`` are the whole attention's output before dropout.
+        """
+        # The shards' weights, not the layers' forward: each ColumnParallelLinear
+        # would apply f itself, three all-reduces in backward where one suffices.
+        q = self._heads(functional.linear(x, self.q.weight, self.q.bias))
+        k = self._heads(functional.linear(x, self.k.weight, self.k.bias))
+        v = self._heads(functional.linear(x, self.v.weight, self.v.bias))
+        p = self.dropout if self.training else 0.0
+        if self.flash:
+            y = functional.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        else:
+            seq = q.shape[-2]
+            scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)
+            mask = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
+            probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+            y = functional.dropout(probs, p) @ v
+        batch, seq = x.shape[:2]
+        return functional.linear(y.transpose(1, 2).reshape(batch, seq, -1), self.proj.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 3 or x.shape[-1] != self.q.in_features:
+            raise ValueError(
+                f"ParallelAttention expects the whole input [B, T, {self.q.in_features}], "
+                f"got {list(x.shape)}"
+            )
+        if self.world_size > 1:
+            x = copy_to_parallel(x, self.group)  # f
+        out = self.partial_sum(x)
+        if self.world_size > 1:
+            out = reduce_from_parallel(out, self.group)  # g
+        return self.drop(out + self.proj.bias)  # the bias once, after the sum
+
+    def extra_repr(self) -> str:
+        heads = self.q.weight.shape[0] // self.head_dim
+        return f"heads on this rank={heads}, rank={self.rank}/{self.world_size}"
 
 
 def gather_shards(

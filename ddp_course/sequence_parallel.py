@@ -1,0 +1,531 @@
+"""Sequence parallelism and tensor-parallel Transformer blocks from scratch (notebook 13).
+
+Tensor parallelism (Shoeybi et al. 2019, section 3; :mod:`ddp_course.tensor_parallel`)
+splits the attention heads and the MLP's hidden features over N ranks, but
+leaves the LayerNorms, the dropouts and the residual additions replicated:
+every rank stores their whole ``[B, T, d]`` activations. Korthikanti et al.,
+"Reducing Activation Recomputation in Large Transformer Models", 2022,
+section 4.2.2 and figure 5, shard those regions along the sequence instead:
+rank r keeps positions ``r T/N .. (r+1) T/N - 1`` (LayerNorm and dropout act
+on each position alone, so no communication is needed inside them), and two
+new conjugate operators replace Megatron's f and g at the borders:
+
+- g (:func:`gather_from_sequence`), into the tensor-parallel region:
+  all-gather along the sequence in forward, reduce-scatter in backward;
+- g-bar (:func:`reduce_scatter_to_sequence`), out of it: reduce-scatter
+  along the sequence in forward, all-gather in backward.
+
+A ring all-reduce *is* a reduce-scatter followed by an all-gather, so the
+bytes on the wire stay those of tensor parallelism (section 4.2.2), while
+the activations of the LayerNorm and dropout regions shrink N times.
+
+The price: parameters used inside a sharded region (the LayerNorm weights
+and biases, the row-parallel biases added after g-bar) are replicated but
+each rank sees only its part of the sequence, so each rank's gradient is a
+partial sum. :func:`all_reduce_sequence_parallel_grads` adds them over the
+tensor-parallel group after backward; forget it and the replicas drift
+apart.
+
+Layout: activations are ``[B, T, d]`` (batch first), so the sequence is
+dimension 1. :class:`ParallelBlock` turns a whole
+:class:`ddp_course.models.Block` into either form; :class:`ParallelGPT` does
+it for every block of a :class:`ddp_course.models.TinyGPT`, with the
+embeddings, final LayerNorm and head replicated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .tensor_parallel import (
+    ColumnParallelLinear,
+    ParallelAttention,
+    ParallelFeedForward,
+    RowParallelLinear,
+    gather_shards,
+)
+
+__all__ = [
+    "CollectiveLog",
+    "GatherFromSequence",
+    "ParallelBlock",
+    "ParallelGPT",
+    "ReduceScatterToSequence",
+    "all_reduce_sequence_parallel_grads",
+    "gather_from_sequence",
+    "gather_full_state",
+    "gather_to_replicated",
+    "reduce_scatter_to_sequence",
+    "region_seed",
+    "saved_activation_bytes",
+    "scatter_to_sequence",
+    "sequence_parallel_parameters",
+]
+
+SEQ_DIM = 1  # activations are [B, T, d]
+
+
+def _world(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "sequence parallelism needs a process group: run the script with torchrun "
+            "and create the group first (with ddp_course.runtime.distributed() as ctx: ...)"
+        )
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _check_seq(seq: int, world_size: int) -> None:
+    if seq % world_size:
+        raise ValueError(
+            f"sequence length {seq} is not divisible by the tensor-parallel world size "
+            f"{world_size}: every rank must hold an equal part of the sequence; use a "
+            f"sequence length that is a multiple of {world_size}"
+        )
+
+
+def _all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """[B, t, d] on each rank -> [B, N t, d], rank 0's positions first."""
+    _, n = _world(group)
+    # Ranks' tensors stacked along dimension 0: [N B, t, d], seen as [N, B, t, d].
+    out = x.new_empty((n * x.shape[0], *x.shape[1:]))
+    # all_gather_single (torch >= 2.13) is the new name of all_gather_into_tensor.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, x.contiguous(), group=group)
+    return out.unflatten(0, (n, -1)).movedim(0, SEQ_DIM).flatten(SEQ_DIM, SEQ_DIM + 1)
+
+
+def _reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """[B, T, d] partial sums on each rank -> this rank's [B, T/N, d] of their sum."""
+    _, n = _world(group)
+    _check_seq(x.shape[SEQ_DIM], n)
+    parts = x.unflatten(SEQ_DIM, (n, -1)).movedim(SEQ_DIM, 0).contiguous()  # [N, B, t, d]
+    out = x.new_empty(parts.shape[1:])
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    scatter(out, parts.flatten(0, 1), group=group)  # rank r receives the sum of parts[r]
+    return out
+
+
+def _my_part(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    rank, n = _world(group)
+    _check_seq(x.shape[SEQ_DIM], n)
+    return x.chunk(n, SEQ_DIM)[rank].contiguous()
+
+
+class GatherFromSequence(torch.autograd.Function):
+    """Korthikanti et al.'s g: all-gather along the sequence forward, reduce-scatter backward.
+
+    Entering the tensor-parallel region: each rank holds ``[B, T/N, d]`` of a
+    LayerNorm's output and the column-parallel layers need the whole
+    ``[B, T, d]``. Each rank's gradient of the whole sequence is only its
+    heads' or hidden features' contribution, so backward sums the N
+    gradients and keeps this rank's positions: a reduce-scatter.
+    Korthikanti et al. 2022, section 4.2.2, figure 5.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.group = group
+        return _all_gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _reduce_scatter_seq(grad, ctx.group), None
+
+
+class ReduceScatterToSequence(torch.autograd.Function):
+    """Korthikanti et al.'s g-bar: reduce-scatter along the sequence forward, all-gather backward.
+
+    Leaving the tensor-parallel region: each rank holds a partial sum
+    ``[B, T, d]`` (row-parallel output); the sharded region needs this rank's
+    positions of the sum, ``[B, T/N, d]``. Backward: each rank holds the
+    gradient of its positions only, and every rank's partial sum needs the
+    gradient of all positions: an all-gather. Section 4.2.2, figure 5.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.group = group
+        return _reduce_scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_gather_seq(grad, ctx.group), None
+
+
+class _ScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.group = group
+        return _my_part(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_gather_seq(grad, ctx.group), None
+
+
+class _GatherToReplicated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.group = group
+        return _all_gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _my_part(grad, ctx.group), None
+
+
+def gather_from_sequence(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """g: ``[B, T/N, d]`` -> ``[B, T, d]`` (all-gather); backward reduce-scatters.
+
+    Raises:
+        RuntimeError: no process group has been created.
+    """
+    _world(group)
+    return GatherFromSequence.apply(x, group)
+
+
+def reduce_scatter_to_sequence(
+    x: torch.Tensor, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """g-bar: partial sums ``[B, T, d]`` -> this rank's ``[B, T/N, d]`` of the sum.
+
+    Backward all-gathers the gradient along the sequence.
+
+    Raises:
+        ValueError: T not divisible by the world size.
+        RuntimeError: no process group has been created.
+    """
+    _check_seq(x.shape[SEQ_DIM], _world(group)[1])
+    return ReduceScatterToSequence.apply(x, group)
+
+
+def scatter_to_sequence(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """A replicated ``[B, T, d]`` -> this rank's ``[B, T/N, d]`` (a slice, no communication).
+
+    Backward all-gathers the gradient, so the replicated producer (the
+    embeddings) receives the gradient of every position on every rank.
+    Megatron-LM's ``scatter_to_sequence_parallel_region``.
+
+    Raises:
+        ValueError: T not divisible by the world size.
+        RuntimeError: no process group has been created.
+    """
+    _check_seq(x.shape[SEQ_DIM], _world(group)[1])
+    return _ScatterToSequence.apply(x, group)
+
+
+def gather_to_replicated(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """This rank's ``[B, T/N, d]`` -> the replicated ``[B, T, d]`` (all-gather).
+
+    For leaving sequence parallelism into replicated layers (the final
+    LayerNorm and head), which compute the same gradient on every rank:
+    backward keeps this rank's positions, no communication.
+
+    Raises:
+        RuntimeError: no process group has been created.
+    """
+    _world(group)
+    return _GatherToReplicated.apply(x, group)
+
+
+class ParallelBlock(nn.Module):
+    """A pre-LayerNorm Transformer block split over N tensor-parallel ranks.
+
+    Built from a whole :class:`ddp_course.models.Block` (weights copied):
+    :class:`ParallelAttention` and :class:`ParallelFeedForward` hold 1/N of
+    the heads and hidden features; ``ln1``, ``ln2`` and the biases of the
+    row-parallel layers are replicated.
+
+    - ``sequence_parallel=False`` (Shoeybi et al. 2019, section 3): input and
+      output ``[B, T, d]``, equal on every rank; per call 2 all-reduces of
+      ``[B, T, d]`` forward (g after attention and MLP) and 2 backward (f).
+    - ``sequence_parallel=True`` (Korthikanti et al. 2022, section 4.2.2,
+      figure 5): input and output this rank's ``[B, T/N, d]``; LayerNorms,
+      dropouts and residual additions act on it; per call 2 all-gathers (g)
+      and 2 reduce-scatters (g-bar) of ``[B, T, d]`` forward, and the
+      reverse backward. After backward, call
+      :func:`all_reduce_sequence_parallel_grads`.
+
+    Dropout uses the global generator: in a sharded region each rank must
+    draw different numbers (see :func:`region_seed`).
+
+    Args:
+        block: the whole block.
+        rank: this rank in the tensor-parallel group.
+        world_size: number of tensor-parallel ranks N.
+        group: the tensor-parallel process group (default: the whole job).
+        sequence_parallel: shard the LayerNorm and dropout regions along T.
+
+    Raises:
+        ValueError: heads or hidden features not divisible by N (here), or
+            T not divisible by N (in forward, with sequence parallelism).
+    """
+
+    def __init__(
+        self,
+        block: nn.Module,
+        rank: int,
+        world_size: int,
+        group: dist.ProcessGroup | None = None,
+        sequence_parallel: bool = False,
+    ):
+        super().__init__()
+        self.sequence_parallel, self.group = sequence_parallel, group
+        self.world_size = world_size
+        self.ln1 = copy.deepcopy(block.ln1)
+        self.attn = ParallelAttention(block.attn, rank, world_size, group)
+        self.ln2 = copy.deepcopy(block.ln2)
+        self.mlp = ParallelFeedForward(block.mlp, rank, world_size, group)
+        self.drop = copy.deepcopy(block.drop)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.sequence_parallel or self.world_size == 1:
+            x = x + self.attn(self.ln1(x))
+            return x + self.drop(self.mlp(self.ln2(x)))
+        h = gather_from_sequence(self.ln1(x), self.group)  # g
+        h = reduce_scatter_to_sequence(self.attn.partial_sum(h), self.group)  # g-bar
+        x = x + self.attn.drop(h + self.attn.proj.bias)
+        h = gather_from_sequence(self.ln2(x), self.group)
+        h = reduce_scatter_to_sequence(self.mlp.partial_sum(h), self.group)
+        return x + self.drop(h + self.mlp.fc2.bias)
+
+
+def sequence_parallel_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The replicated parameters that act on a sequence shard, in a fixed order.
+
+    In every :class:`ParallelBlock` with sequence parallelism: ``ln1``,
+    ``ln2`` (weight and bias) and the biases of ``attn.proj`` and
+    ``mlp.fc2`` (added after g-bar): 6 d numbers per block. Their gradients
+    on one rank cover only its positions.
+    """
+    params = []
+    for sub in module.modules():
+        if isinstance(sub, ParallelBlock) and sub.sequence_parallel and sub.world_size > 1:
+            params += [*sub.ln1.parameters(), *sub.ln2.parameters()]
+            params += [sub.attn.proj.bias, sub.mlp.fc2.bias]
+    return params
+
+
+def all_reduce_sequence_parallel_grads(
+    module: nn.Module, group: dist.ProcessGroup | None = None
+) -> int:
+    """Sum the gradients of :func:`sequence_parallel_parameters` over ``group``.
+
+    One all-reduce of all of them flattened together (as Megatron-LM's
+    ``allreduce_sequence_parallel_grads`` does); call it after backward and
+    before the optimizer step, on every rank of the tensor-parallel group.
+
+    Returns:
+        The number of elements reduced (0: nothing to do, no communication).
+
+    Raises:
+        ValueError: a parameter has no gradient (backward has not run).
+    """
+    params = sequence_parallel_parameters(module)
+    if not params:
+        return 0
+    if any(p.grad is None for p in params):
+        raise ValueError("a sequence-parallel parameter has no gradient: run backward first")
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat, group=group)
+    for p, g in zip(params, flat.split([p.numel() for p in params])):
+        p.grad.copy_(g.view_as(p))
+    return flat.numel()
+
+
+class ParallelGPT(nn.Module):
+    """:class:`ddp_course.models.TinyGPT` with every block a :class:`ParallelBlock`.
+
+    Token and position embeddings, the final LayerNorm and the head stay
+    replicated (whole on every rank; their gradients come out equal on every
+    rank, no communication). With ``sequence_parallel=True`` the embeddings'
+    output is split along T before the first block
+    (:func:`scatter_to_sequence`) and gathered after the last
+    (:func:`gather_to_replicated`). Input ``int64 [B, T]``, equal on every
+    rank; output logits ``[B, T, V]``, equal on every rank. Parameter names
+    are TinyGPT's, so :func:`gather_full_state` compares with it key by key.
+
+    Raises:
+        ValueError: as :class:`ParallelBlock`; an input longer than ``seq_len``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        rank: int,
+        world_size: int,
+        group: dist.ProcessGroup | None = None,
+        sequence_parallel: bool = False,
+    ):
+        super().__init__()
+        self.seq_len, self.group = model.seq_len, group
+        self.sequence_parallel = sequence_parallel and world_size > 1
+        self.tok_emb, self.pos_emb = copy.deepcopy(model.tok_emb), copy.deepcopy(model.pos_emb)
+        self.drop = copy.deepcopy(model.drop)
+        self.blocks = nn.ModuleList(
+            ParallelBlock(b, rank, world_size, group, sequence_parallel) for b in model.blocks
+        )
+        self.ln_f, self.head = copy.deepcopy(model.ln_f), copy.deepcopy(model.head)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        seq = idx.shape[1]
+        if seq > self.seq_len:
+            raise ValueError(f"input of {seq} tokens is longer than seq_len={self.seq_len}")
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(torch.arange(seq, device=idx.device)))
+        if self.sequence_parallel:
+            x = scatter_to_sequence(x, self.group)
+        for block in self.blocks:
+            x = block(x)
+        if self.sequence_parallel:
+            x = gather_to_replicated(x, self.group)
+        return self.head(self.ln_f(x))
+
+
+def gather_full_state(
+    module: nn.Module, group: dist.ProcessGroup | None = None, grads: bool = False
+) -> dict[str, torch.Tensor]:
+    """Every parameter (or gradient) of a tensor-parallel module, whole, named as in one process.
+
+    Column-parallel weights and biases are gathered along dimension 0,
+    row-parallel weights along dimension 1 (:func:`gather_shards`);
+    everything else is this rank's replica, detached. A collective: call it
+    on every rank of ``group``.
+
+    Args:
+        module: a :class:`ParallelBlock`, :class:`ParallelGPT` or any module
+            holding column- and row-parallel layers.
+        group: the tensor-parallel process group.
+        grads: gather ``.grad`` instead of the values.
+
+    Returns:
+        ``{name: tensor}`` with the shapes of the whole model's parameters.
+
+    Raises:
+        ValueError: ``grads=True`` and a parameter has no gradient.
+    """
+
+    def value(p: nn.Parameter) -> torch.Tensor:
+        if grads and p.grad is None:
+            raise ValueError("a parameter has no gradient: run backward first")
+        return (p.grad if grads else p).detach()
+
+    full = {name: value(p) for name, p in module.named_parameters()}
+    for prefix, sub in module.named_modules():
+        if isinstance(sub, ColumnParallelLinear) and sub.world_size > 1:
+            full[f"{prefix}.weight"] = gather_shards(value(sub.weight), 0, group)
+            if sub.bias is not None:
+                full[f"{prefix}.bias"] = gather_shards(value(sub.bias), 0, group)
+        elif isinstance(sub, RowParallelLinear) and sub.world_size > 1:
+            full[f"{prefix}.weight"] = gather_shards(value(sub.weight), 1, group)
+    return full
+
+
+@contextlib.contextmanager
+def saved_activation_bytes(modules: list[nn.Module], out: dict[str, int]) -> Iterator[None]:
+    """Add to ``out["bytes"]`` the bytes autograd saves for backward inside ``modules``' forward.
+
+    Counts every tensor packed by ``torch.autograd.graph.saved_tensors_hooks``
+    while one of ``modules`` runs its forward, except the modules'
+    parameters (weights are not activations). For a LayerNorm over
+    ``[B, t, d]``: its input ``B t d`` elements plus its mean and reciprocal
+    standard deviation, ``B t`` each.
+    """
+    depth = [0]
+    param_ptrs = {p.data_ptr() for m in modules for p in m.parameters()}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if depth[0] and t.data_ptr() not in param_ptrs:
+            out["bytes"] = out.get("bytes", 0) + t.numel() * t.element_size()
+        return t
+
+    def enter(*_):
+        depth[0] += 1
+
+    def leave(*_):
+        depth[0] -= 1
+
+    handles = [h for m in modules for h in (m.register_forward_pre_hook(enter),
+                                            m.register_forward_hook(leave))]  # fmt: skip
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def region_seed(seed: int, rank: int, sharded: bool) -> int:
+    """The seed for dropout in a replicated (``sharded=False``) or sharded region.
+
+    Replicated regions (the residual branch under plain tensor parallelism)
+    hold the same tensor on every tensor-parallel rank, so their dropout
+    masks must agree: the same seed on every rank. Sharded regions (this
+    rank's heads, or its part of the sequence under sequence parallelism)
+    hold different elements, so their masks must differ: an offset per rank.
+    Megatron-LM keeps the two as separate RNG states (its
+    ``model_parallel_cuda_manual_seed``: ``seed + 2718 + tp_rank`` for the
+    parallel one); this function gives the seeds.
+    """
+    return seed + 2718 + rank if sharded else seed
+
+
+class CollectiveLog:
+    """Records every all-reduce, all-gather and reduce-scatter made inside ``recording()``.
+
+    Wraps ``torch.distributed.all_reduce``, ``all_gather_single`` /
+    ``all_gather_into_tensor`` and ``reduce_scatter_single`` /
+    ``reduce_scatter_tensor`` for the duration (restored afterwards, also
+    on error). Each call is logged as ``{"phase", "op", "shape", "bytes"}``
+    where ``bytes`` is the size of the *whole* tensor: the all-reduce's
+    tensor, the all-gather's output, the reduce-scatter's input, so the
+    three compare directly (a ring moves ``2(N-1)/N`` of it per rank for an
+    all-reduce, ``(N-1)/N`` for the other two).
+    """
+
+    _NAMES = {
+        "all_reduce": "all_reduce",
+        "all_gather_single": "all_gather",
+        "all_gather_into_tensor": "all_gather",
+        "reduce_scatter_single": "reduce_scatter",
+        "reduce_scatter_tensor": "reduce_scatter",
+    }
+
+    def __init__(self):
+        self.calls: list[dict] = []
+
+    @contextlib.contextmanager
+    def recording(self, phase: str) -> Iterator[None]:
+        """Log the collectives made inside the ``with`` block under ``phase``."""
+        originals = {n: getattr(dist, n) for n in self._NAMES if hasattr(dist, n)}
+
+        def wrap(name, original):
+            def counted(*args, **kwargs):
+                # The whole tensor: all-gather's output, reduce-scatter's input
+                whole = args[0] if name != "reduce_scatter" else args[1]
+                self.calls.append({"phase": phase, "op": name, "shape": list(whole.shape),
+                                   "bytes": whole.numel() * whole.element_size()})  # fmt: skip
+                return original(*args, **kwargs)
+
+            return counted
+
+        for n, original in originals.items():
+            setattr(dist, n, wrap(self._NAMES[n], original))
+        try:
+            yield
+        finally:
+            for n, original in originals.items():
+                setattr(dist, n, original)
+
+    def summary(self, phase: str | None = None) -> dict[str, list[int]]:
+        """``{op: [bytes of each call]}`` for one phase (or all)."""
+        out: dict[str, list[int]] = {}
+        for c in self.calls:
+            if phase is None or c["phase"] == phase:
+                out.setdefault(c["op"], []).append(c["bytes"])
+        return out

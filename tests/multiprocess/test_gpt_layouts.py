@@ -1,0 +1,37 @@
+"""Lesson 13's FSDP x TP layout on 4 gloo ranks against one process, and three mistakes
+that a wrong mesh dimension or a wrong loss scale makes: each must move the parameters
+away from one process's. The correct layouts all run in tests/scripts/test_lesson13.py.
+"""
+
+import pathlib
+
+import pytest
+
+from ddp_course.harness import launch
+
+TOL = 1e-10  # float64, 3 SGD steps: the layouts differ by summation order only (~1e-16)
+
+
+@pytest.fixture(scope="module")
+def job():
+    worker = pathlib.Path(__file__).resolve().parents[1] / "workers" / "gpt_layouts_check.py"
+    result = launch.torchrun(worker, ["--steps", "3"], nproc=4, results=True, echo=False,
+                             timeout_s=240)  # fmt: skip
+    assert result.results["world_size"] == 4
+    return result.results
+
+
+def test_fsdp_x_tp_equals_one_process(job):
+    assert job["moved"] > 0.1  # the steps change the weights: equality is not trivial
+    assert job["gaps"]["as written"] <= TOL
+
+
+@pytest.mark.parametrize("mistake", ["data by tp coordinate", "loss summed over dp",
+                                     "fsdp over tp"])  # fmt: skip
+def test_mistake_is_caught(job, mistake):
+    assert job["gaps"][mistake] > 1e-3, mistake
+
+
+def test_bad_sizes_are_refused_with_what_to_do(job):
+    assert "the job has 4" in job["errors"]["world size"]
+    assert "does not divide the 2 attention heads" in job["errors"]["tp > heads"]

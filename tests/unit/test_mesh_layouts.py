@@ -1,0 +1,106 @@
+"""ddp_course.mesh_layouts in one process: layouts, mesh groups (8 ranks checked against
+DeviceMesh on PyTorch's fake process group), pipeline stages, the memory and collective
+formulas on hand-counted cases, the token-count loss, MFU."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn import functional
+
+from ddp_course import mesh_layouts as ml
+from ddp_course.models import TinyGPT
+
+TINY = dict(d_model=16, n_heads=4, n_layers=2, seq_len=16)
+
+
+def test_layouts_need_pp_dp_tp_ranks():
+    assert {n: ml.layout(n).world_size for n in ml.LAYOUTS} == dict.fromkeys(ml.LAYOUTS, 4)
+    with pytest.raises(ValueError, match="needs 4 ranks"):
+        ml.layout("fsdp x tp", 2)
+    with pytest.raises(ValueError, match="tp > 1"):
+        ml.Layout("x", dp=2, sequence_parallel=True)
+    with pytest.raises(ValueError, match="does not divide"):
+        ml.Layout("x", dp=3, data="hsdp", replicate=2)
+    assert ml.layout("hsdp").shape == (1, 2, 2, 1)
+    assert ml.layout("ddp").shape == (1, 4, 1, 1)
+
+
+def test_mesh_groups_of_a_3d_layout():
+    g = ml.mesh_groups((2, 2, 2), ("pp", "dp", "tp"))
+    # Written out by hand: tp peers are neighbours, dp peers 2 apart, pp peers 4 apart.
+    assert g["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert g["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert g["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    with pytest.raises(ValueError):
+        ml.mesh_groups((2, 2), ("pp",))
+
+
+def test_mesh_groups_equal_device_mesh_on_8_fake_ranks():
+    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    names = ("pp", "dp", "tp")
+    want = ml.mesh_groups((2, 2, 2), names)
+    for rank in range(8):
+        dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=rank, world_size=8)
+        try:
+            mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=names)
+            for d in names:
+                ranks = dist.get_process_group_ranks(mesh[d].get_group())
+                assert rank in ranks and ranks in want[d], (rank, d)
+        finally:
+            dist.destroy_process_group()
+
+
+def test_stages_compose_to_the_whole_model():
+    torch.manual_seed(0)
+    model = TinyGPT(**{**TINY, "n_layers": 4}).double()
+    x = torch.randint(0, 256, (2, 16))
+    stages = ml.split_stages(model, 2)
+    names = [n for s in stages for n, _ in s.named_parameters()]
+    assert sorted(names) == sorted(n for n, _ in model.named_parameters())
+    torch.testing.assert_close(stages[1](stages[0](x)), model(x), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="must divide"):
+        ml.split_stages(model, 3)
+
+
+def test_memory_formula_on_hand_counted_layouts():
+    model = TinyGPT(**TINY)
+    whole = sum(p.numel() for p in model.parameters())
+    assert ml.expected_memory_bytes(model, ml.layout("ddp"), 8)["params"] == 8 * whole
+    assert ml.expected_memory_bytes(model, ml.layout("fsdp"), 8)["grads"] == 8 * whole // 4
+    d, v, t = 16, 256, 16
+    # TP keeps whole: embeddings, LayerNorms (2 per block + final), proj and fc2 biases.
+    kept = v * d + t * d + 2 * (2 * 2 * d + d + d) + 2 * d
+    assert ml.expected_memory_bytes(model, ml.layout("tp"), 4)["optimizer"] == 2 * 4 * (
+        kept + (whole - kept) // 4
+    )
+
+
+def test_collective_formula_on_the_2_block_model():
+    counts = ml.expected_collectives(ml.layout("fsdp x tp"), 2)
+    # 3 FSDP units (2 blocks + root): gathered for forward and again for backward.
+    assert counts["forward"] == {"all_gather shard": 3, "all_reduce tp": 4}
+    assert counts["backward"] == {"all_gather shard": 3, "reduce_scatter shard": 3,
+                                  "all_reduce tp": 9}  # fmt: skip
+    kept = ml.expected_collectives(ml.layout("fsdp x tp"), 2, reshard_after_forward=False)
+    assert "all_gather shard" not in kept["backward"]
+    assert ml.expected_collectives(ml.layout("ddp"), 2) == {"forward": {}, "backward": {},
+                                                            "loss": {}}  # fmt: skip
+
+
+def test_token_mean_loss_in_one_process_is_the_mean_over_real_tokens():
+    logits = torch.randn(3, 5, 7, dtype=torch.float64)
+    y = torch.randint(0, 7, (3, 5))
+    y[0, 2:] = -100
+    want = functional.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
+    torch.testing.assert_close(ml.token_mean_loss(logits, y), want, rtol=1e-12, atol=0)
+    with pytest.raises(ValueError, match="no token"):
+        ml.token_mean_loss(logits, torch.full_like(y, -100))
+
+
+def test_tensor_bytes_and_mfu():
+    assert ml.tensor_bytes([torch.zeros(3, dtype=torch.float64), None, torch.zeros(2)]) == 32
+    assert ml.mfu(1000, 1e6, 6e9) == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        ml.mfu(1, 1, 0)

@@ -1,0 +1,51 @@
+"""Tensor-parallel attention and blocks in one process: one rank is the plain module,
+bad sizes are refused with a clear error, no process group gives a clear error, not a hang."""
+
+import pytest
+import torch
+
+from ddp_course import sequence_parallel as sp
+from ddp_course.models import Block, CausalSelfAttention, TinyGPT
+from ddp_course.tensor_parallel import ParallelAttention
+
+
+@pytest.mark.parametrize("flash", [True, False])
+def test_one_rank_is_the_plain_attention_and_block(flash):
+    torch.manual_seed(0)
+    block = Block(16, 4, flash=flash).double()
+    x = torch.randn(2, 8, 16, dtype=torch.float64)
+    torch.testing.assert_close(ParallelAttention(block.attn, 0, 1)(x), block.attn(x))
+    for seq_par in (False, True):
+        torch.testing.assert_close(sp.ParallelBlock(block, 0, 1, sequence_parallel=seq_par)(x),
+                                   block(x), rtol=1e-12, atol=1e-12)  # fmt: skip
+
+
+def test_one_rank_gpt_is_tinygpt_with_the_same_names():
+    torch.manual_seed(0)
+    model = TinyGPT(d_model=16, n_heads=4, n_layers=2, seq_len=8).double()
+    par = sp.ParallelGPT(model, 0, 1, sequence_parallel=True)
+    idx = torch.randint(0, 256, (2, 8))
+    torch.testing.assert_close(par(idx), model(idx), rtol=1e-12, atol=1e-12)
+    assert [n for n, _ in par.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert sp.sequence_parallel_parameters(par) == []  # one rank: nothing to reduce
+
+
+def test_heads_not_divisible_by_the_ranks_is_refused():
+    with pytest.raises(ValueError, match=r"n_heads=4 is not divisible .* world size 3"):
+        ParallelAttention(CausalSelfAttention(16, 4), 0, 3)
+
+
+def test_two_ranks_without_a_process_group_say_how_to_get_one():
+    attn = ParallelAttention(CausalSelfAttention(16, 4), 0, 2)
+    with pytest.raises(RuntimeError, match="torchrun"):
+        attn(torch.randn(1, 4, 16))
+    with pytest.raises(RuntimeError, match="torchrun"):
+        sp.gather_from_sequence(torch.randn(1, 4, 16))
+    with pytest.raises(ValueError, match=r"whole input \[B, T, 16\]"):
+        attn(torch.randn(4, 16))
+
+
+def test_region_seeds_agree_where_replicated_and_differ_where_sharded():
+    assert sp.region_seed(5, 0, sharded=False) == sp.region_seed(5, 3, sharded=False) == 5
+    assert len({sp.region_seed(5, r, sharded=True) for r in range(4)}) == 4
+    assert 5 not in {sp.region_seed(5, r, sharded=True) for r in range(4)}
