@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import itertools
 
 import torch
 import torch.distributed as dist
@@ -48,8 +47,6 @@ __all__ = [
     "LAYOUTS",
     "MESH_DIMS",
     "PEAK_BF16_FLOPS",
-    "WATCHED",
-    "CollectiveLog",
     "GPTStage",
     "Layout",
     "MeshModel",
@@ -61,7 +58,6 @@ __all__ = [
     "expected_collectives",
     "expected_memory_bytes",
     "layout",
-    "log_counts",
     "mesh_groups",
     "mfu",
     "split_stages",
@@ -579,79 +575,6 @@ class MeshModel:
 
 # The torch.distributed calls FSDP2 and our own code make (FSDP2 calls the *_single
 # ones on torch 2.10+, all_gather_into_tensor / reduce_scatter_tensor before).
-WATCHED = ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor",
-           "reduce_scatter_tensor", "all_reduce", "all_to_all_single")  # fmt: skip
-
-
-class CollectiveLog:
-    """Counts of ``torch.distributed`` collectives by name and mesh dimension, while open.
-
-    ``with CollectiveLog(mesh) as log: ...`` replaces the functions of
-    :data:`WATCHED` in ``torch.distributed`` by wrappers that record the call and
-    the mesh dimension(s) whose process group it ran on (found by comparing the
-    group's ranks with each dimension's groups of this rank), then restores them.
-    It sees what calls ``torch.distributed`` directly (FSDP2, DDP's loss
-    all-reduce in our code), not DTensor's functional collectives
-    (``torch.distributed._functional_collectives``), which
-    ``torch.distributed.tensor.debug.CommDebugMode`` counts; DDP's bucket
-    all-reduces run in C++ and are seen by neither.
-
-    Attributes:
-        counts: ``{(collective, dimension names joined by "+"): calls}``.
-        bytes: ``{(collective, dimensions): bytes of the local input tensors}``.
-    """
-
-    def __init__(self, mesh):
-        self.mesh = mesh
-        self.counts: dict[tuple[str, str], int] = {}
-        self.bytes: dict[tuple[str, str], int] = {}
-        self._saved = {}
-        self._dims = {}
-        names = mesh.mesh_dim_names
-        # This rank's group along every dimension and every combination of dimensions
-        # (HSDP runs on replicate+shard); the first name wins where sizes of 1 make them equal.
-        for k in range(1, len(names) + 1):
-            for combo in itertools.combinations(names, k):
-                sub = mesh[combo] if k > 1 else mesh[combo[0]]
-                ranks = tuple(sorted(sub.mesh.flatten().tolist()))
-                self._dims.setdefault(ranks, "+".join(combo))
-
-    def _dim(self, group) -> str:
-        ranks = tuple(sorted(dist.get_process_group_ranks(group or dist.group.WORLD)))
-        if len(ranks) == 1:
-            return "self"
-        return self._dims.get(ranks, "world" if len(ranks) == dist.get_world_size() else "?")
-
-    def _wrap(self, name):
-        original = self._saved[name]
-
-        def counted(*args, **kwargs):
-            group = kwargs.get("group")
-            if group is None:
-                group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
-            key = (name, self._dim(group))
-            tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
-            size = 0 if tensor is None else tensor.numel() * tensor.element_size()
-            self.counts[key] = self.counts.get(key, 0) + 1
-            self.bytes[key] = self.bytes.get(key, 0) + size
-            return original(*args, **kwargs)
-
-        return counted
-
-    def __enter__(self):
-        for name in WATCHED:
-            if hasattr(dist, name):
-                self._saved[name] = getattr(dist, name)
-                setattr(dist, name, self._wrap(name))
-        return self
-
-    def __exit__(self, *exc):
-        for name, fn in self._saved.items():
-            setattr(dist, name, fn)
-        self._saved.clear()
-        return False
-
-
 def expected_collectives(lay: Layout, n_layers: int, reshard_after_forward: bool = True) -> dict:
     """Collectives of one training step of TinyGPT per mesh dimension, from the layout.
 
@@ -706,8 +629,9 @@ def expected_collectives(lay: Layout, n_layers: int, reshard_after_forward: bool
 
 def comm_debug_counts(mode, dimension: str = "tp") -> dict[str, int]:
     """``CommDebugMode`` counts of DTensor's functional collectives, keyed like
-    :func:`expected_collectives` (``"all_reduce tp"``); FSDP2's ``c10d`` calls are left
-    out (see :class:`CollectiveLog`), since DTensor's collectives here all run on ``dimension``.
+    :func:`expected_collectives` (``"all_reduce tp"``), all on ``dimension`` (DTensor's
+    collectives here are tensor parallelism's). FSDP2's ``c10d`` calls are left out:
+    :class:`ddp_course.comm_cost.CollectiveLog` logs those.
     """
     out = {}
     for op, n in mode.get_comm_counts().items():
@@ -716,15 +640,6 @@ def comm_debug_counts(mode, dimension: str = "tp") -> dict[str, int]:
             continue
         short = name.split(".")[-1].removesuffix("_into_tensor").removesuffix("_tensor")
         out[f"{short} {dimension}"] = out.get(f"{short} {dimension}", 0) + n
-    return out
-
-
-def log_counts(log: CollectiveLog) -> dict[str, int]:
-    """:class:`CollectiveLog` counts keyed like :func:`expected_collectives`."""
-    out = {}
-    for (op, dim), n in log.counts.items():
-        short = op.removesuffix("_single").removesuffix("_into_tensor").removesuffix("_tensor")
-        out[f"{short} {dim}"] = out.get(f"{short} {dim}", 0) + n
     return out
 
 

@@ -52,7 +52,6 @@ from .tensor_parallel import (
 )
 
 __all__ = [
-    "CollectiveLog",
     "GatherFromSequence",
     "ParallelBlock",
     "ParallelGPT",
@@ -473,59 +472,3 @@ def region_seed(seed: int, rank: int, sharded: bool) -> int:
     parallel one); this function gives the seeds.
     """
     return seed + 2718 + rank if sharded else seed
-
-
-class CollectiveLog:
-    """Records every all-reduce, all-gather and reduce-scatter made inside ``recording()``.
-
-    Wraps ``torch.distributed.all_reduce``, ``all_gather_single`` /
-    ``all_gather_into_tensor`` and ``reduce_scatter_single`` /
-    ``reduce_scatter_tensor`` for the duration (restored afterwards, also
-    on error). Each call is logged as ``{"phase", "op", "shape", "bytes"}``
-    where ``bytes`` is the size of the *whole* tensor: the all-reduce's
-    tensor, the all-gather's output, the reduce-scatter's input, so the
-    three compare directly (a ring moves ``2(N-1)/N`` of it per rank for an
-    all-reduce, ``(N-1)/N`` for the other two).
-    """
-
-    _NAMES = {
-        "all_reduce": "all_reduce",
-        "all_gather_single": "all_gather",
-        "all_gather_into_tensor": "all_gather",
-        "reduce_scatter_single": "reduce_scatter",
-        "reduce_scatter_tensor": "reduce_scatter",
-    }
-
-    def __init__(self):
-        self.calls: list[dict] = []
-
-    @contextlib.contextmanager
-    def recording(self, phase: str) -> Iterator[None]:
-        """Log the collectives made inside the ``with`` block under ``phase``."""
-        originals = {n: getattr(dist, n) for n in self._NAMES if hasattr(dist, n)}
-
-        def wrap(name, original):
-            def counted(*args, **kwargs):
-                # The whole tensor: all-gather's output, reduce-scatter's input
-                whole = args[0] if name != "reduce_scatter" else args[1]
-                self.calls.append({"phase": phase, "op": name, "shape": list(whole.shape),
-                                   "bytes": whole.numel() * whole.element_size()})  # fmt: skip
-                return original(*args, **kwargs)
-
-            return counted
-
-        for n, original in originals.items():
-            setattr(dist, n, wrap(self._NAMES[n], original))
-        try:
-            yield
-        finally:
-            for n, original in originals.items():
-                setattr(dist, n, original)
-
-    def summary(self, phase: str | None = None) -> dict[str, list[int]]:
-        """``{op: [bytes of each call]}`` for one phase (or all)."""
-        out: dict[str, list[int]] = {}
-        for c in self.calls:
-            if phase is None or c["phase"] == phase:
-                out.setdefault(c["op"], []).append(c["bytes"])
-        return out

@@ -36,6 +36,7 @@ from torch.nn import functional
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp_course import mesh_layouts as ml
+from ddp_course.comm_cost import CollectiveLog
 from ddp_course.data import lm_batch, shakespeare_bytes
 from ddp_course.models import TinyGPT, lm_loss
 from ddp_course.runtime import distributed, get_logger, no_tf32
@@ -157,17 +158,17 @@ def count_one_step(ctx, config, dtype, batch, lr):
                           reshard_after_forward=reshard)  # fmt: skip
         x, y = my_slice(batch, mesh, lay.dp)
         for _ in range(2):  # the second step is the steady one
-            seen = {}
+            seen, log = {}, CollectiveLog(mesh)
             with loss_parallel():
                 for phase in ("forward", "loss", "backward"):
-                    with ml.CollectiveLog(mesh) as log, CommDebugMode() as mode:
+                    with log.recording(phase), CommDebugMode() as mode:
                         if phase == "forward":
                             logits = mm.module(x)
                         elif phase == "loss":
                             loss = functional.cross_entropy(logits.flatten(0, 1), y.flatten())
                         else:
                             loss.backward()
-                    seen[phase] = ml.log_counts(log) | ml.comm_debug_counts(mode)
+                    seen[phase] = log.counts(phase) | ml.comm_debug_counts(mode)
             mm.module.zero_grad()
         expected = ml.expected_collectives(lay, config["n_layers"], reshard)
         counts[f"reshard_after_forward={reshard}"] = {"measured": seen, "formula": expected}

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddp_course import sequence_parallel as sp
+from ddp_course.comm_cost import CollectiveLog
 from ddp_course.data import lm_batch, shakespeare_bytes
 from ddp_course.models import Block, TinyGPT, lm_loss
 from ddp_course.runtime import distributed, get_logger
@@ -72,7 +73,7 @@ def block_check(args, ctx, sequence_parallel):
     ((ref(x) - 1) ** 2).sum().backward()
     x_par = x.detach().clone().requires_grad_()
     x_in = my_part(x_par, ctx) if sequence_parallel else x_par
-    log = sp.CollectiveLog()
+    log = CollectiveLog()
     with log.recording("forward"):
         out = par(x_in)
     with log.recording("backward"):
@@ -127,7 +128,7 @@ def train(args, ctx, sequence_parallel, model_seed=0, reduce_sp_grads=True):
                          sequence_parallel=sequence_parallel)  # fmt: skip
     opt = torch.optim.SGD(par.parameters(), lr=args.lr)
     x, y = text_batch(args, ctx.device)
-    log, losses = sp.CollectiveLog(), []
+    log, losses = CollectiveLog(), []
     for step in range(args.steps):
         with log.recording(f"step {step}"):
             loss = lm_loss(par(x), y)

@@ -27,6 +27,7 @@ from torch import nn
 
 from ddp_course import sequence_parallel as sp
 from ddp_course import tensor_parallel as tp
+from ddp_course.comm_cost import CollectiveLog
 from ddp_course.models import Block, TinyGPT, lm_loss
 from ddp_course.runtime import distributed
 from ddp_course.tools.records import write_results
@@ -102,7 +103,7 @@ def check_block(ctx, variant, sequence_parallel):
     x_ref, x_full = x.clone().requires_grad_(), x.clone().requires_grad_()
     out_ref = ref(x_ref)
     ((out_ref - target) ** 2).sum().backward()
-    log = sp.CollectiveLog()
+    log = CollectiveLog()
     with broken(variant):
         x_in = my_part(x_full, ctx) if sequence_parallel else x_full
         with log.recording("forward"):
@@ -160,7 +161,7 @@ def check_gpt(ctx, variant, sequence_parallel):
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
     opt_par = torch.optim.SGD(par.parameters(), lr=0.5)
     idx, targets = lm_batch()
-    log = sp.CollectiveLog()
+    log = CollectiveLog()
     losses = []
     for step in range(args.steps):
         lm_loss(ref(idx), targets).backward()
