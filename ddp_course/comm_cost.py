@@ -202,7 +202,7 @@ def link_label(backend: str, device: str) -> str:
     raise ValueError(f"no link label for backend {backend!r}")
 
 
-# torch.distributed's collectives and the name each is logged under (the *_single
+# torch.distributed's functions and the name each call is logged under (the *_single
 # names are those of older PyTorch releases).
 _WATCHED = {
     "all_reduce": "all_reduce",
@@ -211,23 +211,39 @@ _WATCHED = {
     "reduce_scatter_tensor": "reduce_scatter",
     "reduce_scatter_single": "reduce_scatter",
     "all_to_all_single": "all_to_all",
+    "batch_isend_irecv": "p2p",
 }
+
+
+def _all_to_all_sent(whole: torch.Tensor, splits, group) -> int:
+    """Bytes of ``whole`` (rows split by ``splits``, or evenly) that leave this rank."""
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+    if not splits:
+        return whole.numel() * whole.element_size() * (size - 1) // size
+    row = whole[0].numel() * whole.element_size() if len(whole) else 0
+    return sum(rows for peer, rows in enumerate(splits) if peer != me) * row
 
 
 class CollectiveLog:
     """Every ``torch.distributed`` collective called inside ``recording()``: its bytes and group.
 
     ``with log.recording("forward"): ...`` replaces ``all_reduce``,
-    ``all_gather_into_tensor``, ``reduce_scatter_tensor`` and
-    ``all_to_all_single`` of ``torch.distributed`` by wrappers that log each
+    ``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_to_all_single``
+    and ``batch_isend_irecv`` of ``torch.distributed`` by wrappers that log each
     call, and restores them afterwards (also on error). Each call is logged in
-    :attr:`calls` as ``{"phase", "op", "shape", "bytes", "dims"}``:
+    :attr:`calls` as ``{"phase", "op", "shape", "dtype", "bytes", "sent", "dims"}``:
 
-    - ``op``: ``all_reduce``, ``all_gather``, ``reduce_scatter`` or ``all_to_all``;
+    - ``op``: ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``
+      or ``p2p`` (one ``batch_isend_irecv``);
     - ``bytes``: the size of the *whole* tensor (the all-reduce's tensor, the
-      all-gather's output, the reduce-scatter's and the all-to-all's input), so
-      the calls compare directly: a ring sends ``2(N-1)/N`` of it per rank for an
-      all-reduce and ``(N-1)/N`` for the others;
+      all-gather's output, the reduce-scatter's and the all-to-all's input; the
+      tensors a ``p2p`` batch sends), so the calls compare directly: a ring
+      sends ``2(N-1)/N`` of it per rank for an all-reduce and ``(N-1)/N`` for an
+      all-gather or a reduce-scatter;
+    - ``sent``: the bytes this rank sends to other ranks, where the call alone
+      says it: an all-to-all's rows for the other ranks (from its
+      ``input_split_sizes``, or an even split), a ``p2p`` batch's sends;
+      ``None`` for the others, whose traffic depends on the backend's algorithm;
     - ``dims``: with a ``mesh``, the mesh dimension(s) whose process group the
       call ran on (``"tp"``, ``"replicate+shard"`` for HSDP; ``"self"`` for a
       group of one, ``"world"`` for the whole job), found by comparing the
@@ -264,26 +280,38 @@ class CollectiveLog:
             return "self"
         return self._dims.get(ranks, "world" if len(ranks) == dist.get_world_size() else "?")
 
+    def _record(self, phase, op, named) -> dict:
+        if op == "p2p":
+            sends = [o for o in named["p2p_op_list"] if o.op in (dist.isend, dist.send)]
+            nbytes = sum(o.tensor.numel() * o.tensor.element_size() for o in sends)
+            first = sends[0].tensor if sends else named["p2p_op_list"][0].tensor
+            group = named["p2p_op_list"][0].group
+            return {"phase": phase, "op": op, "shape": list(first.shape),
+                    "dtype": str(first.dtype), "bytes": nbytes, "sent": nbytes,
+                    "dims": self._group_dims(group)}  # fmt: skip
+        tensors = [v for v in named.values() if isinstance(v, torch.Tensor)]
+        # The whole tensor: the output of an all-gather, the input otherwise.
+        whole = tensors[1] if op in ("reduce_scatter", "all_to_all") else tensors[0]
+        group = named.get("group")
+        sent = None
+        if op == "all_to_all":
+            sent = _all_to_all_sent(whole, named.get("input_split_sizes"), group)
+        return {"phase": phase, "op": op, "shape": list(whole.shape), "dtype": str(whole.dtype),
+                "bytes": whole.numel() * whole.element_size(), "sent": sent,
+                "dims": self._group_dims(group)}  # fmt: skip
+
     @contextlib.contextmanager
     def recording(self, phase: str | None = None) -> Iterator[None]:
         """Log the collectives called inside the ``with`` block under ``phase``."""
         originals = {n: getattr(dist, n) for n in _WATCHED if hasattr(dist, n)}
 
         def wrap(name, original):
-            op = _WATCHED[name]
-
-            signature = inspect.signature(original)
+            op, signature = _WATCHED[name], inspect.signature(original)
 
             def logged(*args, **kwargs):
                 # By name, in the signature's order: FSDP2 passes its tensors as keywords.
                 named = signature.bind(*args, **kwargs).arguments
-                tensors = [v for v in named.values() if isinstance(v, torch.Tensor)]
-                # The whole tensor: the output of an all-gather, the input otherwise.
-                whole = tensors[1] if op in ("reduce_scatter", "all_to_all") else tensors[0]
-                group = named.get("group")
-                self.calls.append({"phase": phase, "op": op, "shape": list(whole.shape),
-                                   "bytes": whole.numel() * whole.element_size(),
-                                   "dims": self._group_dims(group)})  # fmt: skip
+                self.calls.append(self._record(phase, op, named))
                 return original(*args, **kwargs)
 
             return logged

@@ -521,11 +521,6 @@ def allgather_attention(
 # ---------------------------------------------------------------- Ulysses
 
 
-def all_to_all_bytes(x: torch.Tensor, world_size: int) -> int:
-    """Bytes a rank sends to the other ranks in an even ``all_to_all_single`` of ``x``."""
-    return x.numel() * x.element_size() * (world_size - 1) // world_size
-
-
 def _seq_to_heads(x, group):
     # [B, H, T_local, D] -> [B, H/P, P*T_local, D]: head group j goes to rank j.
     b, h, t, d = x.shape

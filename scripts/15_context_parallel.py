@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
 
 from ddp_course import context_parallel as cp
+from ddp_course.comm_cost import CollectiveLog
 from ddp_course.runtime import distributed, get_logger
 from ddp_course.tools.records import write_results
 
@@ -92,40 +93,30 @@ def max_diffs(ctx, args, fn, dtype, layout="contiguous", docs=None, ref_docs="sa
 
 
 @contextlib.contextmanager
-def counting(log):
-    """Bytes this rank sends (every isend, every all_to_all_single) and its block products."""
-    p2p, a2a, block = dist.batch_isend_irecv, dist.all_to_all_single, cp.block_attention
-
-    def p2p_counted(ops):
-        log["bytes"] += sum(o.tensor.numel() * o.tensor.element_size() for o in ops
-                            if o.op is dist.isend)  # fmt: skip
-        return p2p(ops)
-
-    def a2a_counted(output, input, *a, **kw):
-        log["bytes"] += cp.all_to_all_bytes(input, dist.get_world_size())
-        return a2a(output, input, *a, **kw)
+def counting_blocks(log):
+    """Block products this rank computes, and their visible query-key pairs."""
+    block = cp.block_attention
 
     def block_counted(q, k, v, mask):
         log["blocks"] += 1
         log["visible"] += q.shape[2] * k.shape[2] if mask is None else int(mask.sum())
         return block(q, k, v, mask)
 
-    dist.batch_isend_irecv, dist.all_to_all_single, cp.block_attention = (
-        p2p_counted, a2a_counted, block_counted)  # fmt: skip
+    cp.block_attention = block_counted
     try:
         yield
     finally:
-        dist.batch_isend_irecv, dist.all_to_all_single, cp.block_attention = p2p, a2a, block
+        cp.block_attention = block
 
 
 def counted(ctx, args, fn, layout="contiguous"):
     """Forward only, float32: bytes sent, blocks computed and visible query-key pairs."""
     q, k, v, _ = whole(args, ctx.world_size, torch.float32, ctx.device)
     local = [cp.shard_sequence(x, ctx.rank, ctx.world_size, layout) for x in (q, k, v)]
-    log = {"bytes": 0, "blocks": 0, "visible": 0}
-    with counting(log):
+    log, sends = {"blocks": 0, "visible": 0}, CollectiveLog()
+    with counting_blocks(log), sends.recording():
         fn(*local, causal=True, layout=layout)
-    return log
+    return {"bytes": sum(c["sent"] for c in sends.calls), **log}
 
 
 def torch_gather(x, group=None):

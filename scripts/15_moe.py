@@ -20,7 +20,6 @@ Results go to --results (rank 0).
 """
 
 import argparse
-import contextlib
 
 import torch
 import torch.distributed as dist
@@ -28,6 +27,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from ddp_course import expert_parallel as ep
+from ddp_course.comm_cost import CollectiveLog
 from ddp_course.data import lm_batch, shakespeare_bytes
 from ddp_course.models import lm_loss
 from ddp_course.runtime import distributed, get_logger
@@ -53,23 +53,6 @@ def parse_args():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--results", help="write the measurements here as JSON (rank 0)")
     return p.parse_args()
-
-
-@contextlib.contextmanager
-def watching_all_to_all(calls):
-    """Append every dist.all_to_all_single call's dtype, row bytes and splits to ``calls``."""
-    original = dist.all_to_all_single
-
-    def counted(output, input, output_split_sizes=None, input_split_sizes=None, **kw):
-        row = input[0].numel() * input.element_size() if len(input) else 0
-        calls.append({"dtype": str(input.dtype), "row_bytes": row, "send": input_split_sizes})
-        return original(output, input, output_split_sizes, input_split_sizes, **kw)
-
-    dist.all_to_all_single = counted
-    try:
-        yield
-    finally:
-        dist.all_to_all_single = original
 
 
 def torch_all_to_all(x, output_splits, input_splits, group):
@@ -120,9 +103,9 @@ def check(args, ctx):
     ((y_ref * w).sum() + torch.stack([g.aux_loss for g in groups]).mean()).backward()
 
     # NEW: the experts spread over the ranks, tokens exchanged by all-to-all.
-    calls = []
+    log = CollectiveLog()
     ours = ep.ExpertParallelMoE(ref_copy(args, dev), r, n).to(dev)
-    with watching_all_to_all(calls):
+    with log.recording():
         y, xg, router, experts, routing, splits = expert_parallel_run(ours, x[mine], w[mine], n)
     ref_experts = [q.grad for e in ours.local for q in ref.experts[e].parameters()]
     diffs = {
@@ -146,8 +129,10 @@ def check(args, ctx):
     # Bytes this rank sent to other ranks, measured per call, and as the routing says.
     per = args.experts // n
     dest = routing.experts[routing.keep] // per
-    rows = [c for c in calls if c["dtype"] == "torch.float64"]
-    measured = [sum(s for q, s in enumerate(c["send"]) if q != r) * c["row_bytes"] for c in rows]
+    # The float64 exchanges (the int64 split counts go first).
+    measured = [
+        c["sent"] for c in log.calls if c["op"] == "all_to_all" and c["dtype"] == "torch.float64"
+    ]
     mine_report = {
         "rank": r, "send": splits["send"], "receive": splits["receive"],
         "routed": routing.routed.tolist(), "kept": routing.kept.tolist(),

@@ -88,4 +88,3 @@ def test_ring_schedule_work_contiguous_vs_zigzag():
 def test_byte_formulas():
     assert cp.ring_bytes((1, 2, 3, 4), 4, 4) == 2 * 3 * 24 * 4
     assert cp.ulysses_bytes((1, 2, 3, 4), 4, 4) == 4 * 3 * 24 * 4 // 4
-    assert cp.all_to_all_bytes(torch.zeros(8, dtype=torch.float64), 4) == 48

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
 
 from ddp_course import context_parallel as cp
+from ddp_course.comm_cost import CollectiveLog
 from ddp_course.runtime import distributed
 from ddp_course.tools.records import write_results
 
@@ -122,32 +123,11 @@ def broken(variant):
         yield
 
 
-@contextlib.contextmanager
-def counting_bytes(log):
-    """Bytes this rank sends: every isend in batch_isend_irecv and every all_to_all_single."""
-    p2p, a2a = dist.batch_isend_irecv, dist.all_to_all_single
-
-    def p2p_counted(ops):
-        log["p2p"] += sum(o.tensor.numel() * o.tensor.element_size() for o in ops
-                          if o.op is dist.isend)  # fmt: skip
-        return p2p(ops)
-
-    def a2a_counted(output, input, *a, **kw):
-        log["all_to_all"] += cp.all_to_all_bytes(input, dist.get_world_size())
-        return a2a(output, input, *a, **kw)
-
-    dist.batch_isend_irecv, dist.all_to_all_single = p2p_counted, a2a_counted
-    try:
-        yield
-    finally:
-        dist.batch_isend_irecv, dist.all_to_all_single = p2p, a2a
-
-
 def counted_forward(ctx, fn, layout="contiguous"):
     """Bytes sent and block products computed by fn's forward on this rank (float32)."""
     q, k, v, _ = whole(ctx.world_size, torch.float32)
     local = [cp.shard_sequence(x, ctx.rank, ctx.world_size, layout) for x in (q, k, v)]
-    log, work = {"p2p": 0, "all_to_all": 0}, {"blocks": 0, "pairs": 0, "visible": 0}
+    sends, work = CollectiveLog(), {"blocks": 0, "pairs": 0, "visible": 0}
     original = cp.block_attention
 
     def block(q, k, v, mask):
@@ -156,8 +136,9 @@ def counted_forward(ctx, fn, layout="contiguous"):
         work["visible"] += q.shape[2] * k.shape[2] if mask is None else int(mask.sum())
         return original(q, k, v, mask)
 
-    with counting_bytes(log), patched(cp, "block_attention", block):
+    with sends.recording(), patched(cp, "block_attention", block):
         fn(*local, causal=True, layout=layout)
+    log = {op: sum(c["sent"] for c in sends.calls if c["op"] == op) for op in ("p2p", "all_to_all")}
     return {"bytes": log, "work": work, "local_shape": list(local[0].shape)}
 
 

@@ -17,7 +17,6 @@ the exchange, counted with ``CommDebugMode``).
 """
 
 import argparse
-import contextlib
 
 import torch
 import torch.distributed as dist
@@ -25,6 +24,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor.debug import CommDebugMode
 
 from ddp_course import expert_parallel as ep
+from ddp_course.comm_cost import CollectiveLog
 from ddp_course.runtime import distributed
 from ddp_course.tools.records import write_results
 
@@ -62,32 +62,6 @@ def global_batch(world_size):
     x = torch.randn(n, args.d_model, generator=gen, dtype=torch.float64)
     w = torch.randn(n, args.d_model, generator=gen, dtype=torch.float64)
     return x, w
-
-
-class AllToAllLog:
-    """Wraps ``torch.distributed.all_to_all_single``: phase, splits and bytes of every call."""
-
-    def __init__(self):
-        self.calls = []
-
-    @contextlib.contextmanager
-    def recording(self, phase):
-        original = dist.all_to_all_single
-
-        def wrapper(output, input, output_split_sizes=None, input_split_sizes=None, **kw):
-            rows = input.shape[0]
-            self.calls.append({
-                "phase": phase, "dtype": str(input.dtype), "bytes": input.numel() *
-                input.element_size(), "row_bytes": input[0].numel() * input.element_size()
-                if rows else 0, "send": input_split_sizes, "receive": output_split_sizes,
-            })  # fmt: skip
-            return original(output, input, output_split_sizes, input_split_sizes, **kw)
-
-        dist.all_to_all_single = wrapper
-        try:
-            yield
-        finally:
-            dist.all_to_all_single = original
 
 
 def torch_exchange(x, output_splits, input_splits, group):
@@ -139,7 +113,7 @@ def check(ctx, variant):
 
     exchange = torch_exchange if variant == "torch" else broken_exchange(variant)
     layer = ep.ExpertParallelMoE(whole_moe(), r, n, exchange=exchange)
-    log = AllToAllLog()
+    log = CollectiveLog()
     x_par = x[mine].clone().requires_grad_()
     with CommDebugMode() as fwd, log.recording("forward"):
         y, routing, splits = layer(x_par)
@@ -171,12 +145,12 @@ def check(ctx, variant):
     dest = routing.experts[routing.keep] // per  # rank of each kept assignment's expert
     remote_rows = int((dest != r).sum())
     row_bytes = args.d_model * x.element_size()
-    rows = [c for c in log.calls if c["dtype"] == "torch.float64"]
-    sent_remote = [sum(s for q, s in enumerate(c["send"]) if q != r) * c["row_bytes"] for c in rows]
+    calls = [c for c in log.calls if c["op"] == "all_to_all"]
+    sent_remote = [c["sent"] for c in calls if c["dtype"] == "torch.float64"]
     return {
         "fails": fails,
         "splits": splits,
-        "calls": log.calls,
+        "calls": calls,
         "remote_rows": remote_rows,
         "expected_remote_bytes": remote_rows * row_bytes,
         "sent_remote_bytes": sent_remote,
