@@ -13,57 +13,23 @@ start-up. The nccl jobs run one rank per GPU, at most :data:`MAX_RANKS`.
 Marked serial: the jobs use every GPU, and two tests read clocks.
 """
 
-import json
 import math
-import os
 import pathlib
 
 import pytest
 import torch
+from gpu_support import GPUS, RANKS, keep, needs_2_gpus, needs_gpu, run
 from torch import nn
 from torch.nn.functional import cross_entropy
 
 from ddp_course import pipeline, runtime
 from ddp_course.data_parallel import DataParallel
-from ddp_course.harness import launch
-from ddp_course.harness.gpu_check import RESULTS_ENV
 from ddp_course.models import SmallCNN
 from ddp_course.tools.bench import COLLECTIVES, busbw_factor
 
 pytestmark = pytest.mark.serial
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-GPUS = runtime.gpu_count()
-MAX_RANKS = 4  # more GPUs than this: the nccl jobs still use 4 ranks, to stay short
-RANKS = min(GPUS, MAX_RANKS)
-needs_gpu = pytest.mark.skipif(
-    GPUS == 0, reason="needs a CUDA GPU; none is visible (torch.cuda.device_count() == 0)"
-)
-needs_2_gpus = pytest.mark.skipif(
-    GPUS < 2, reason=f"needs 2 or more CUDA GPUs; {GPUS} visible"
-)  # fmt: skip
-
-
-@pytest.fixture(autouse=True)
-def launcher_plans_the_device(monkeypatch):
-    # A DDP_COURSE_DEVICE left in the shell would override the launcher's device plan.
-    monkeypatch.delenv(runtime.DEVICE_ENV, raising=False)
-
-
-def keep(name: str, results: dict) -> None:
-    """Write ``results`` to ``$DDP_COURSE_GPU_RESULTS/<name>.json`` when gpu-check asks."""
-    folder = os.environ.get(RESULTS_ENV)
-    if folder:
-        path = pathlib.Path(folder, f"{name}.json")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(results, indent=2) + "\n")
-
-
-def run(root, script, args=(), nproc=RANKS, **kwargs):
-    """The script under torchrun with the launcher's device plan; its JSON results."""
-    job = launch.torchrun(root / "scripts" / script, list(args), nproc=nproc, results=True,
-                          echo=False, timeout_s=300, **kwargs)  # fmt: skip
-    return job.results
 
 
 # ---------------------------------------------------------------- nccl and the fallback
