@@ -10,14 +10,17 @@ default process group three times, once per init method, and checks an
 all_reduce. There is no backend argument, except for a CPU job on a GPU
 machine: there torch's default is nccl only, which cannot move CPU tensors,
 so it names gloo. While the env:// group is up, rank 0 lists the TCP sockets
-the job listens on. With one GPU per rank (the launcher's device plan) it
-also creates the group with the per-device backend string and device_id=,
-a fourth entry under "init".
+the job listens on. A fourth time it names the backend per device type, on
+a tcp:// store of its own: "cpu:gloo" where the ranks run on the CPU, and
+"cpu:gloo,cuda:nccl" with device_id= where every rank has a GPU of its own
+(the launcher's device plan), a fourth entry under "init". Every store rank
+0 serves listens on 127.0.0.1 only.
 """
 
 import argparse
 import os
 import shutil
+import socket
 import tempfile
 import time
 
@@ -64,15 +67,50 @@ def listening_sockets(pids: list[int]) -> list[dict]:
     return sorted(found, key=lambda s: (s["process"], s["address"]))
 
 
+def listens_on(port: int) -> list[str]:
+    """The addresses this process listens on at TCP ``port``, e.g. ``["127.0.0.1"]``."""
+    return sorted({c.laddr.ip for c in psutil.net_connections(kind="tcp")
+                   if c.status == psutil.CONN_LISTEN and c.pid == os.getpid()
+                   and c.laddr.port == port})  # fmt: skip
+
+
+def serve_on_loopback(port: int) -> dist.TCPStore:
+    """A TCPStore server at 127.0.0.1:``port`` that listens on loopback only.
+
+    A TCPStore server listens on every interface whatever host name it is given,
+    unless it is handed a socket already bound (``master_listen_fd``). With
+    ``multi_tenant=True``, the store that ``init_process_group`` makes in this
+    process for ``tcp://127.0.0.1:<port>`` (or env:// at that ``MASTER_PORT``)
+    shares this server instead of starting one on every interface. The server
+    lives as long as the returned store.
+
+    Raises:
+        OSError: ``port`` cannot be bound on 127.0.0.1 (it is in use).
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+    except OSError:
+        sock.close()
+        raise
+    return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                         multi_tenant=True, master_listen_fd=sock.detach())  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", help="rank 0 writes its records here (JSON)")
     args = parser.parse_args()
     added = added_by_launcher()  # before this script sets anything itself
+    servers: dict[str, dist.TCPStore] = {}  # rank 0's own stores, alive to the end
     if "WORLD_SIZE" not in os.environ:
-        # Plain python: a group of one, so the init methods below still run.
+        # Plain python: a group of one, so the init methods below still run. Its env://
+        # store is this process's own: served on loopback only.
+        port = free_port()
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))  # fmt: skip
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+        servers["env://"] = serve_on_loopback(port)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     # The launcher's plan (DDP_COURSE_DEVICE): cuda:<local_rank> only when every
@@ -95,14 +133,23 @@ def main() -> None:
     dist.init_process_group(backend=backend)
     record["init"]["env://"] = {"backend": dist.get_backend_config(),
                                 "sum": all_reduce_check(rank, world_size, device)}  # fmt: skip
+    if rank == 0:  # under torchrun the agent serves MASTER_PORT, not rank 0
+        record["init"]["env://"]["store_listens_on"] = listens_on(int(os.environ["MASTER_PORT"]))
     pids = [None] * world_size
     dist.all_gather_object(pids, os.getpid())
     if rank == 0:
         record["listening"] = listening_sockets(pids)
         store_dir = tempfile.mkdtemp(prefix="ddp_course_store_")
-        rendezvous = [f"tcp://127.0.0.1:{free_port()}", f"file://{store_dir}/store", free_port()]
+        # Rank 0 serves the stores of steps 2 and 4 and a side store, before anyone
+        # connects; a port is taken as soon as it is picked, so the three differ.
+        ports = {}
+        for name in ("tcp://", "per-device", "side"):
+            ports[name] = free_port()
+            servers[name] = serve_on_loopback(ports[name])
+        rendezvous = [f"tcp://127.0.0.1:{ports['tcp://']}", f"file://{store_dir}/store",
+                      f"tcp://127.0.0.1:{ports['per-device']}", ports["side"]]  # fmt: skip
     else:
-        rendezvous = [None, None, None]
+        rendezvous = [None] * 4
     dist.broadcast_object_list(rendezvous, src=0)  # every rank needs the same addresses
     dist.destroy_process_group()
 
@@ -110,15 +157,25 @@ def main() -> None:
     # Under torchrun, TORCHELASTIC_USE_AGENT_STORE=True tells rank 0 not to start a
     # store of its own (the agent's serves env://); a tcp:// store must be rank 0's.
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-    # Rank 0 serves the tcp:// store, and a peer's teardown still talks to it: rank 0 tears
-    # its group down last, once a store of its own (alive to the end) has counted the others.
-    *methods, side_port = rendezvous
-    side = dist.TCPStore("127.0.0.1", side_port, world_size, is_master=rank == 0)
-    for method in methods:
-        dist.init_process_group(backend, init_method=method, rank=rank, world_size=world_size)
-        name = method.split("//")[0] + "//"
+    tcp, file, per_device, side_port = rendezvous
+    steps = [("tcp://", tcp, {"backend": backend}), ("file://", file, {"backend": backend})]
+    # 4. The backend named per device type, on a fourth store. Not env:// again: under
+    # torchrun MASTER_PORT is the agent's store, which rank 0 cannot serve (the port is
+    # taken), and a new group must not read the keys an earlier one left in a store.
+    if one_gpu_each:  # device_id= binds the group to this rank's GPU; nccl connects at once
+        steps.append(("cpu:gloo,cuda:nccl + device_id", per_device,
+                      {"backend": "cpu:gloo,cuda:nccl", "device_id": device}))  # fmt: skip
+    else:
+        steps.append(("cpu:gloo", per_device, {"backend": "cpu:gloo"}))
+    # Rank 0 serves the stores, and a peer's teardown still talks to them: rank 0 tears
+    # its group down last, once the side store (alive to the end) has counted the others.
+    side = servers.get("side") or dist.TCPStore("127.0.0.1", side_port, is_master=False)
+    for name, method, kwargs in steps:
+        dist.init_process_group(init_method=method, rank=rank, world_size=world_size, **kwargs)
         record["init"][name] = {"backend": dist.get_backend_config(),
                                 "sum": all_reduce_check(rank, world_size, device)}  # fmt: skip
+        if rank == 0 and method.startswith("tcp://"):  # rank 0's store, shared with torch's
+            record["init"][name]["store_listens_on"] = listens_on(int(method.rsplit(":", 1)[1]))
         dist.barrier()
         if rank != 0:
             dist.destroy_process_group()
@@ -129,21 +186,7 @@ def main() -> None:
             dist.destroy_process_group()
     if rank == 0:
         shutil.rmtree(store_dir, ignore_errors=True)
-
-    # 4. The explicit forms, where every rank has a GPU of its own.
-    if one_gpu_each:
-        dist.init_process_group(backend="cpu:gloo,cuda:nccl", device_id=device)
-        record["init"]["cpu:gloo,cuda:nccl + device_id"] = {
-            "backend": dist.get_backend_config(),
-            "sum": all_reduce_check(rank, world_size, device),
-        }
-        dist.destroy_process_group()
-    else:
-        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        record["skipped"] = (
-            f"per-device backends need one GPU per rank; {gpu_count()} GPU(s), {ranks_here} rank(s)"
-        )
-    if rank == 0:
+        record["side_store_listens_on"] = listens_on(side_port)
         write_results(None, args.results, record)
 
 
