@@ -87,12 +87,13 @@ def restart_count() -> int:
 
 
 def who_am_i(ctx: DistContext) -> dict:
-    """This rank's place in the job, as torchrun's variables say."""
+    """This rank's place in the job, as torchrun's variables say, and its device and backend."""
     return {
         "rank": ctx.rank, "local_rank": ctx.local_rank,
         "group_rank": int(os.environ.get("GROUP_RANK", "0")),  # the node's rank
         "world_size": ctx.world_size, "local_world_size": ctx.local_world_size,
         "host": socket.gethostname(), "pid": os.getpid(), "restart_count": restart_count(),
+        "device": str(ctx.device), "backend": ctx.backend,
     }  # fmt: skip
 
 

@@ -40,11 +40,32 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .. import runtime
-from ..runtime import DEVICE_ENV, device_plan
+from ..runtime import DEVICE_ENV
 from . import failures, jobs, launch
 
-__all__ = ["MultiNodeResult", "Node", "torchrun_nodes"]
+__all__ = [
+    "SIMULATED_NODES_DEVICE",
+    "SIMULATED_NODES_REASON",
+    "MultiNodeResult",
+    "Node",
+    "torchrun_nodes",
+]
+
+#: The device type (``DDP_COURSE_DEVICE``) of every worker of :func:`torchrun_nodes`,
+#: whatever GPUs this machine has; the backend is then gloo.
+SIMULATED_NODES_DEVICE = "cpu"
+
+#: Why :func:`torchrun_nodes` runs on :data:`SIMULATED_NODES_DEVICE`, one sentence for a
+#: learner. Every node's local rank 0 would take ``cuda:0``, and NCCL refuses a communicator
+#: with two ranks on one device ("Duplicate GPU detected"): its host hash, built from the
+#: hostname and the boot id, is the same in every network namespace. Between ranks of one host
+#: NCCL moves data over P2P or shared memory, so the link between the nodes that lesson 11
+#: counts would carry no gradients; gloo always uses its TCP sockets.
+SIMULATED_NODES_REASON = (
+    "the nodes share this machine's GPUs and NCCL refuses two ranks of one job on one GPU, "
+    "and only gloo's sockets send the gradients over the link between the nodes "
+    "(nccl inside one machine bypasses it); nccl across nodes needs real nodes"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,9 +238,9 @@ def torchrun_nodes(
     Prints the command each node runs, with the environment variables a node
     needs on a real cluster too (``[node 1] $ TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
     torchrun --nnodes=2 ... --rdzv-id=... --local-addr=...``) and streams
-    node 0's rank 0 output. The job runs on CPU with gloo unless every rank of
-    every node has a GPU of its own (the rule of
-    :func:`ddp_course.runtime.device_plan`).
+    node 0's rank 0 output. The job always runs on CPU with gloo
+    (:data:`SIMULATED_NODES_DEVICE`, why in :data:`SIMULATED_NODES_REASON`),
+    and with ``echo`` says so in one line first.
 
     Args:
         script: path of the Python script.
@@ -234,8 +255,10 @@ def torchrun_nodes(
         env: extra environment variables for every agent and rank of every node;
             ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` defaults to ``1`` (a fresh
             store for the workers at each rendezvous round, see the code).
+            ``DDP_COURSE_DEVICE`` is always ``"cpu"``; giving it here is allowed
+            only with that value.
         results: pass ``--results <file>`` (one file, shared) and return its JSON.
-        echo: print node 0's rank 0 output live.
+        echo: print the device line and node 0's rank 0 output live.
         extra_torchrun_args: more torchrun flags for every node (e.g.
             ``["--max-restarts=1", "--rdzv-conf=join_timeout=5"]``).
         log_dir: keep the per-node logs here (``node0/``, ``node1/``, ...);
@@ -255,7 +278,8 @@ def torchrun_nodes(
 
     Raises:
         FileNotFoundError: ``script`` does not exist.
-        ValueError: no nodes, or a node with ``nproc`` < 1.
+        ValueError: no nodes, a node with ``nproc`` < 1, or ``env`` asks for a
+            ``DDP_COURSE_DEVICE`` other than ``"cpu"`` (the message says why).
         LaunchTimeout: the job ran past ``timeout_s``; every process of every
             node was killed; the message says which nodes never got workers
             (a rendezvous that did not complete) and where each rank was.
@@ -278,8 +302,17 @@ def torchrun_nodes(
         endpoint = f"{nodes[0].addr}:{port}"
     env = dict(env or {})
     given_env = list(env)  # shown in the printed commands, with _SHOWN_ENV
-    if DEVICE_ENV not in env and DEVICE_ENV not in os.environ:
-        env[DEVICE_ENV] = device_plan(max(n.nproc for n in nodes), runtime.gpu_count()).device_type
+    asked = env.get(DEVICE_ENV, SIMULATED_NODES_DEVICE)
+    if asked != SIMULATED_NODES_DEVICE:
+        raise ValueError(
+            f"{DEVICE_ENV}={asked!r}: simulated nodes run on {SIMULATED_NODES_DEVICE!r} "
+            f"only: {SIMULATED_NODES_REASON}"
+        )
+    # Set even when this process's environment says cuda: it would reach every worker.
+    env[DEVICE_ENV] = SIMULATED_NODES_DEVICE
+    if echo:
+        print(f"{len(nodes)} simulated nodes: running on CPU with gloo because "
+              f"{SIMULATED_NODES_REASON}", flush=True)  # fmt: skip
     env.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", _LINE_PREFIX_TEMPLATE)
     # A fresh store for the workers at every rendezvous round, instead of the
     # agents' shared one. With the shared store, keys of a dead round stay

@@ -1,6 +1,7 @@
 """multinode and netns: what notebook 11 does not run (a node that never joins, a
-failing rank on another node, namespaces removed after a failure), and the
-restart loop that checks the store-prefix fix (by hand: DDP_COURSE_RESTART_LOOP=N)."""
+failing rank on another node, namespaces removed after a failure), the device every
+simulated node's workers get on a machine with 1, 2 or 4 GPUs, and the restart loop
+that checks the store-prefix fix (by hand: DDP_COURSE_RESTART_LOOP=N)."""
 
 import json
 import os
@@ -9,6 +10,7 @@ import time
 import psutil
 import pytest
 
+from ddp_course import runtime
 from ddp_course.harness import launch, multinode, netns, restarts
 
 
@@ -60,6 +62,65 @@ def test_attempt_prefix_changes_with_restarts_and_world_size(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     grown = restarts.attempt_prefix()
     assert len({first, restarted, grown}) == 3
+
+
+# --- the device plan of simulated nodes: they share this machine's GPUs
+
+
+def _planned_envs(monkeypatch, workers, gpus, nodes, env=None, echo=False):
+    """The environment each node's agent (and its workers) would get, nothing started."""
+    ran = {}
+
+    def fake_run(nodes, cmds, envs, *rest):
+        ran.update(envs=envs)
+
+    monkeypatch.setattr(runtime, "gpu_count", lambda: gpus)
+    monkeypatch.setattr(multinode, "_run_nodes", fake_run)
+    multinode.torchrun_nodes(workers / "fail_or_hang.py", nodes=nodes, env=env, echo=echo)
+    return ran["envs"]
+
+
+NODE_SHAPES = [(1, 1), (2, 2), (1, 2), (4, 4)]
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 4])
+@pytest.mark.parametrize("shape", NODE_SHAPES, ids=["+".join(map(str, s)) for s in NODE_SHAPES])
+def test_simulated_nodes_never_put_a_gpu_twice(monkeypatch, workers, gpus, shape):
+    # Every node runs on this machine: local rank r of any node would take cuda:r.
+    monkeypatch.delenv(runtime.DEVICE_ENV, raising=False)
+    nodes = [multinode.Node(n, i) for i, n in enumerate(shape)]
+    envs = _planned_envs(monkeypatch, workers, gpus, nodes)
+    taken = []  # the physical GPU of every worker that gets one
+    for node, env in zip(nodes, envs):
+        for local_rank in range(node.nproc):
+            device = runtime.device_for_rank(local_rank, gpus, env[runtime.DEVICE_ENV])
+            taken += [device.index] if device.type == "cuda" else []
+    assert len(taken) == len(set(taken)), f"GPUs {taken} for nodes {shape} on {gpus} GPUs"
+    assert [env[runtime.DEVICE_ENV] for env in envs] == [multinode.SIMULATED_NODES_DEVICE] * 2
+    assert multinode.SIMULATED_NODES_DEVICE == "cpu"
+
+
+def test_simulated_nodes_ignore_a_cuda_plan_inherited_from_this_process(monkeypatch, workers):
+    monkeypatch.setenv(runtime.DEVICE_ENV, "cuda")
+    envs = _planned_envs(monkeypatch, workers, 4, [multinode.Node(1, 0), multinode.Node(1, 1)])
+    assert [e[runtime.DEVICE_ENV] for e in envs] == ["cpu", "cpu"]
+
+
+def test_simulated_nodes_refuse_cuda_and_accept_cpu_from_the_caller(monkeypatch, workers):
+    with pytest.raises(ValueError, match="NCCL refuses two ranks of one job on one GPU"):
+        _planned_envs(monkeypatch, workers, 2, None, env={runtime.DEVICE_ENV: "cuda"})
+    envs = _planned_envs(monkeypatch, workers, 2, None, env={runtime.DEVICE_ENV: "cpu"})
+    assert [e[runtime.DEVICE_ENV] for e in envs] == ["cpu", "cpu"]
+
+
+@pytest.mark.parametrize("echo", [True, False])
+def test_simulated_nodes_say_why_they_run_on_cpu_once(monkeypatch, workers, capsys, echo):
+    _planned_envs(monkeypatch, workers, 2, None, echo=echo)
+    said = [line for line in capsys.readouterr().out.splitlines()
+            if multinode.SIMULATED_NODES_REASON in line]  # fmt: skip
+    expected = "2 simulated nodes: running on CPU with gloo because " + (
+        multinode.SIMULATED_NODES_REASON)  # fmt: skip
+    assert said == ([expected] if echo else [])
 
 
 needs_netns = pytest.mark.skipif(netns.unavailable() is not None,
