@@ -11,11 +11,11 @@ batches leaves the loop, its peer's all-reduce waits for it forever, while
 it waits for its peer to finish. It waits through torchrun's key-value
 store, not with a collective: a barrier or an all-reduce here would meet the
 peer's gradient all-reduce, a collective of another size, which gloo lets
-time out and nccl leaves undefined. --timeout-s turns the wait into an error:
-gloo raises it in the waiting call, nccl's watchdog reports it and takes the
-process down. Under Join, a rank that ran out of data shadows the
-others' all-reduces with zeros until every rank is done, then the final
-model is broadcast from the last rank to finish (RFC pytorch#38174;
+time out or stops on a size mismatch, and nccl leaves undefined. --timeout-s
+turns the wait into an error: gloo raises it in the waiting call, nccl's
+watchdog reports it and takes the process down. Under Join, a rank that ran
+out of data shadows the others' all-reduces with zeros until every rank is
+done, then the final model is broadcast from the last rank to finish (RFC pytorch#38174;
 https://pytorch.org/tutorials/advanced/generic_join.html).
 """
 

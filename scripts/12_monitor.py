@@ -10,9 +10,12 @@ and records, per step and without printing, the seconds of its own work
 (data and forward: "local_s"), of backward with DDP's all-reduce and the
 optimizer step ("sync_s"), the whole step, samples/s, the loss and its
 memory. Rank --slow-rank sleeps --sleep-s seconds in its data loading every
-step. One step runs under torch.profiler with record_function labels (on a
-machine without a GPU, a CUDA build of torch has the profiler log a few lines
-such as "gpuGetDeviceCount failed" to stderr: harmless). Rank 0 gathers
+step. One step runs under torch.profiler with record_function labels; the
+"backward" label ends after the wait for the slowest rank on both backends
+(gloo waits in loss.backward(), nccl on the GPU, so the script synchronizes
+it inside the label). On a machine without a GPU, a CUDA build of torch has
+the profiler log a few lines such as "gpuGetDeviceCount failed" to stderr:
+harmless. Rank 0 gathers
 everything, writes it to --results (JSON) and, with --tb-dir, to TensorBoard
 (tensorboard --logdir build/12_tb).
 """
@@ -81,6 +84,10 @@ def main():
                     opt.zero_grad()
                     loss.backward()  # DDP's all-reduce: waits for the slowest rank
                     opt.step()
+                    if ctx.device.type == "cuda":
+                        # nccl: backward returns once the all-reduce is queued and the GPU
+                        # waits; end the label after that wait, as gloo's host waits in it.
+                        torch.cuda.synchronize(ctx.device)
                 row["loss"] = loss.item()
             if prof is not None:
                 prof.__exit__(None, None, None)

@@ -27,7 +27,8 @@ which :meth:`Timeline.render` draws as a text Gantt chart.
 
 :func:`run_schedule` executes one rank's part of a schedule for real: stage
 k of the model on rank k, activations and gradients passed with
-``torch.distributed`` point-to-point operations (``recv`` and ``isend``),
+``torch.distributed`` point-to-point operations (``batch_isend_irecv``: a send
+and the next receive from the same rank in one call, which nccl needs),
 micro-batch gradients accumulated so that one pipelined step equals one step
 on the whole batch. It time-stamps every action; :func:`gather_timeline`
 collects the stamps of all ranks into the same :class:`Timeline`, so the

@@ -92,35 +92,61 @@ class StepResult:
     bytes_sent: int = 0
 
 
-_HEADER = 8  # int64 header: number of dimensions, then the shape
+_HEADER = 8  # int64 per micro-batch: number of dimensions, then the shape
 
 
-def _send(tensor: torch.Tensor, peer: int, pending: list) -> int:
-    """Post a non-blocking send of a tensor and of its shape; return the payload bytes."""
-    if tensor.dim() >= _HEADER:
-        raise ValueError(f"pipeline messages support at most {_HEADER - 1} dimensions")
-    header = torch.zeros(_HEADER, dtype=torch.int64, device=tensor.device)
-    header[0] = tensor.dim()
-    header[1 : 1 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-    payload = tensor.detach().contiguous()
-    # Keep both tensors alive until the send completes (wait at the end of the step).
-    pending += [(dist.isend(header, peer), header), (dist.isend(payload, peer), payload)]
-    return payload.numel() * payload.element_size()
+def _meta_shapes(stage: nn.Module, shapes: list, dtype: torch.dtype) -> list[torch.Size]:
+    """The output shape of ``stage`` for each input shape, from a forward on meta tensors.
+
+    Meta tensors carry shapes and dtypes and no data, so this costs no arithmetic;
+    ``torch.distributed.pipelining`` sizes its receive buffers the same way.
+    """
+    state = {name: torch.empty_like(t, device="meta") for name, t in stage.named_parameters()}
+    state |= {name: torch.empty_like(t, device="meta") for name, t in stage.named_buffers()}
+    with torch.no_grad():
+        return [
+            torch.func.functional_call(
+                stage, state, (torch.empty(shape, dtype=dtype, device="meta"),)
+            ).shape
+            for shape in shapes
+        ]
 
 
-def _recv(peer: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    header = torch.empty(_HEADER, dtype=torch.int64, device=device)
-    dist.recv(header, peer)
-    shape = header[1 : 1 + int(header[0])].tolist()
-    tensor = torch.empty(shape, dtype=dtype, device=device)
-    dist.recv(tensor, peer)
-    return tensor
+def _exchange_shapes(first: bool, last: bool, rank: int, in_shapes, stage, dtype, device):
+    """Shapes of the activations this rank receives and sends, micro-batch by micro-batch.
+
+    Down the chain of stages before the first action: rank k receives the shapes
+    of its inputs from rank k-1, finds its outputs' on meta tensors and sends them
+    to rank k+1 (one int64 ``[m, 8]`` tensor each way), so that every later
+    receive is posted with its buffer ready, in the same call as a send.
+    """
+    if not first:
+        header = torch.empty(len(in_shapes), _HEADER, dtype=torch.int64, device=device)
+        _wait(dist.batch_isend_irecv([dist.P2POp(dist.irecv, header, rank - 1)]))
+        in_shapes = [torch.Size(row[1 : 1 + row[0]]) for row in header.tolist()]
+    out_shapes = [] if last else _meta_shapes(stage, in_shapes, dtype)
+    if not last:
+        if max(len(shape) for shape in out_shapes) >= _HEADER:
+            raise ValueError(f"pipeline messages support at most {_HEADER - 1} dimensions")
+        rows = [[len(shape), *shape] + [0] * (_HEADER - 1 - len(shape)) for shape in out_shapes]
+        header = torch.tensor(rows, dtype=torch.int64, device=device)
+        _wait(dist.batch_isend_irecv([dist.P2POp(dist.isend, header, rank + 1)]))
+    return in_shapes, out_shapes
+
+
+def _wait(works) -> None:
+    for work in works:
+        work.wait()
 
 
 def _clock(device: torch.device) -> float:
-    """``time.perf_counter()`` once the device's queued kernels are done (CUDA runs async)."""
+    """``time.perf_counter()`` once this stream's queued kernels are done (CUDA runs async).
+
+    Only the current stream: a send still running on NCCL's own stream is not waited
+    for here (it is at the end of the step), as :func:`simulate` models sends.
+    """
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()
     return time.perf_counter()
 
 
@@ -141,9 +167,18 @@ def run_schedule(
     k+1 (the last rank computes the loss instead). B(i): receive the gradient
     of the output from rank k+1 (the last rank back-propagates its loss), back-
     propagate through the stage, send the gradient of the input to rank k-1.
-    Sends are ``isend`` and awaited at the end, receives block; so the run
-    follows :func:`simulate`'s semantics, and a schedule that simulates
-    without deadlock runs without one.
+
+    Every message goes through ``dist.batch_isend_irecv``. A send is posted in the
+    same call as the next action's receive when both are with the same rank (in
+    1F1B, F(i)'s output with B(j)'s gradient, B(j)'s gradient with F(i+1)'s input),
+    as ``torch.distributed.pipelining`` does: with nccl a send may wait until its
+    peer posts the receive, and two ranks that each sent first would wait for each
+    other; one call runs both directions at once. Receive buffers are sized
+    beforehand (the shapes travel down the chain once, found on meta tensors).
+    The host waits for a receive before the action that needs it and for the
+    sends at the end (with gloo; with nccl a wait orders the stream), so the run
+    follows :func:`simulate`'s semantics, and a schedule that simulates without
+    deadlock runs without one.
 
     The loss of micro-batch i is weighted by n_i / N (its share of the N
     samples), so with a ``loss_fn`` that averages (the default of
@@ -173,7 +208,9 @@ def run_schedule(
             it deadlocks (:class:`DeadlockError`; checked before any message
             is sent, on every rank); the table's length differs from the
             world size or the rank has no stage; inputs missing on rank 0, or
-            targets or loss function on the last rank.
+            targets or loss function on the last rank; a message of 8 or more
+            dimensions, or a stage whose output shape differs from the one its
+            meta forward gave (data-dependent shapes are not supported).
     """
     stages = len(table)
     microbatches = max((len({a.microbatch for a in actions}) for actions in table), default=0)
@@ -193,17 +230,39 @@ def run_schedule(
     device = params[0].device if params else torch.device("cpu")
     dtype = params[0].dtype if params else torch.float32
     total = sum(len(t) for t in targets) if last else 0
+    in_shapes, out_shapes = _exchange_shapes(
+        first, last, rank, [x.shape for x in inputs] if first else [None] * microbatches,
+        stage, inputs[0].dtype if first else dtype, device,
+    )  # fmt: skip
+
+    def incoming(action):
+        """(peer, buffer shape) of the message ``action`` waits for, or None."""
+        if action.kind == "F" and not first:
+            return rank - 1, in_shapes[action.microbatch]
+        if action.kind == "B" and not last:
+            return rank + 1, out_shapes[action.microbatch]
+        return None
+
     held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # micro-batch -> (input, output)
-    pending: list = []
+    pending: list = []  # (works, tensor): sends, awaited at the end of the step
+    early = None  # (works, buffer) of the next action's receive, posted with the last send
     events: list[Event] = []
     peak, loss_sum, sent = 0, 0.0, 0
-    for action in table[rank]:
+    actions = table[rank]
+    for index, action in enumerate(actions):
         i = action.microbatch
-        if action.kind == "F":
-            if first:
-                x = inputs[i].to(device)
+        need = incoming(action)
+        received = None
+        if need is not None:
+            if early is None:
+                received = torch.empty(need[1], dtype=dtype, device=device)
+                _wait(dist.batch_isend_irecv([dist.P2POp(dist.irecv, received, need[0])]))
             else:
-                x = _recv(rank - 1, dtype, device).requires_grad_()
+                works, received = early
+                _wait(works)
+                early = None
+        if action.kind == "F":
+            x = inputs[i].to(device) if first else received.requires_grad_()
             start = _clock(device)
             out = stage(x)
             if last:
@@ -215,20 +274,40 @@ def run_schedule(
             # Stamped before the send is posted, so the next stage, which can only receive
             # after that, never appears to start before this action ended.
             end = _clock(device)
-            if not last:
-                sent += _send(out, rank + 1, pending)
+            message, peer = (None, None) if last else (out, rank + 1)
+            if message is not None and message.shape != out_shapes[i]:
+                raise ValueError(
+                    f"stage {rank}'s output for micro-batch {i} has shape {tuple(out.shape)}, "
+                    f"its meta forward gave {tuple(out_shapes[i])}"
+                )
         else:
-            grad = None if last else _recv(rank + 1, dtype, device)
             start = _clock(device)
             x, out = held.pop(i)  # frees micro-batch i's activations after backward
-            out.backward(grad)
+            out.backward(received)
             time.sleep(backward_sleep_s)
             end = _clock(device)
-            if not first:
-                sent += _send(x.grad, rank - 1, pending)
+            message, peer = (None, None) if first else (x.grad, rank - 1)
         events.append(Event(rank, action, start, end))
-    for work, _ in pending:
-        work.wait()
+        if message is None:
+            continue
+        payload = message.detach().contiguous()
+        sent += payload.numel() * payload.element_size()
+        ops = [dist.P2POp(dist.isend, payload, peer)]
+        following = incoming(actions[index + 1]) if index + 1 < len(actions) else None
+        if following is not None and following[0] == peer:
+            buffer = torch.empty(following[1], dtype=dtype, device=device)
+            ops.append(dist.P2POp(dist.irecv, buffer, peer))
+        works = dist.batch_isend_irecv(ops)
+        if len(ops) == 1:
+            pending.append((works, payload))
+        elif len(works) == len(ops):  # one work per op (gloo): wait for the receive only
+            early = ([works[1]], buffer)
+            pending.append(([works[0]], payload))
+        else:  # one work for the call (nccl): waiting orders the stream after both
+            early = (works, buffer)
+            pending.append(([], payload))
+    for works, _ in pending:
+        _wait(works)
     return StepResult(events, peak, loss_sum if last else None, sent)
 
 

@@ -226,6 +226,85 @@ def test_one_stage_accumulates_micro_batches_into_the_whole_batch_gradient():
         assert [str(e.action) for e in result.events] == [str(a) for a in table[0]]
 
 
+class _Posted:
+    """Stands in for ``torch.distributed``'s point-to-point calls in one process.
+
+    Records every ``batch_isend_irecv`` call as a list of ``(op, peer, shape)`` and
+    fills each receive buffer with ones (a gradient of ones, or shapes for the
+    header); any other point-to-point call fails the test.
+    """
+
+    def __init__(self, headers: torch.Tensor | None = None):
+        self.calls, self.headers = [], headers
+
+    def P2POp(self, op, tensor, peer, group=None):  # noqa: N802 (torch's name)
+        return (op, tensor, peer)
+
+    @staticmethod
+    def isend(*args, **kwargs):
+        raise AssertionError("a send outside batch_isend_irecv")
+
+    @staticmethod
+    def irecv(*args, **kwargs):
+        raise AssertionError("a receive outside batch_isend_irecv")
+
+    send, recv = isend, irecv
+
+    def batch_isend_irecv(self, ops):
+        self.calls.append([(op.__name__, peer, tuple(t.shape)) for op, t, peer in ops])
+        for op, t, _ in ops:
+            if op.__name__ == "irecv":
+                t.copy_(self.headers if t.dtype == torch.int64 else torch.ones_like(t))
+        return [_Done() for _ in ops]
+
+
+class _Done:
+    def wait(self):
+        pass
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_each_send_goes_with_the_next_receive_from_the_same_rank(monkeypatch, rank):
+    """1F1B on 2 stages: a send and the following receive from that rank in one call.
+
+    Rank 0 runs F0 F1 B0 B1, rank 1 F0 B0 F1 B1. On nccl a send may wait until the
+    peer posts its receive, so F1's output (rank 0) and B0's gradient (rank 1), both
+    sent first, must each travel in one ``batch_isend_irecv`` with the receive that
+    follows: one call runs both directions.
+    """
+    from torch import distributed as dist
+
+    m, n = 2, 3
+    headers = torch.tensor([[2, n, 8, 0, 0, 0, 0, 0]] * m)  # rank 0's outputs: [3, 8]
+    fake = _Posted(headers)
+    for name in ("P2POp", "isend", "irecv", "send", "recv", "batch_isend_irecv"):
+        monkeypatch.setattr(dist, name, getattr(fake, name))
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    stage = pipeline.split_model(_stack(), 2, rank)
+    x, y = torch.randn(m * n, 6), torch.randint(0, 3, (m * n,))
+    pipeline.run_schedule(
+        pipeline.schedule("1f1b", 2, m), stage, rank,
+        pipeline.split_microbatches(x, m), pipeline.split_microbatches(y, m), cross_entropy,
+    )  # fmt: skip
+    act = (n, 8)
+    expected = {
+        0: [  # shapes down the chain; F0 sends alone (F1 receives nothing); F1 + B0; B1
+            [("isend", 1, (m, 8))],
+            [("isend", 1, act)],
+            [("isend", 1, act), ("irecv", 1, act)],
+            [("irecv", 1, act)],
+        ],
+        1: [  # shapes; F0 receives; B0's gradient + F1's input; B1's gradient alone
+            [("irecv", 0, (m, 8))],
+            [("irecv", 0, act)],
+            [("isend", 0, act), ("irecv", 0, act)],
+            [("isend", 0, act)],
+        ],
+    }[rank]
+    assert fake.calls == expected
+
+
 def test_run_schedule_refuses_bad_input():
     x, y = torch.randn(4, 6), torch.randint(0, 3, (4,))
     xs, ys = pipeline.split_microbatches(x, 2), pipeline.split_microbatches(y, 2)
