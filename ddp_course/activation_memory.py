@@ -25,7 +25,9 @@ import torch
 from ddp_course.models import TinyGPT
 
 __all__ = [
+    "ALLOCATOR_BLOCK",
     "POLICIES",
+    "PeakBound",
     "SavedTensorCounter",
     "StepBudget",
     "Term",
@@ -35,6 +37,7 @@ __all__ = [
     "korthikanti_block_bytes",
     "outside_terms",
     "parameter_count",
+    "peak_bound",
     "predict_activations",
     "predict_step",
     "profiled_peak_bytes",
@@ -481,6 +484,76 @@ def fit_micro_batch(
             "shard the model's state or shorten the sequence"
         )
     return best
+
+
+#: Bytes: CUDA's caching allocator hands out blocks of a multiple of 512 bytes
+#: (``kMinBlockSize`` in ``c10/cuda/CUDACachingAllocator.cpp``), and
+#: ``torch.cuda.max_memory_allocated`` counts blocks, not the tensors' bytes.
+ALLOCATOR_BLOCK = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class PeakBound:
+    """Where an allocator's peak over one forward and backward must lie, bytes.
+
+    Attributes:
+        low: what must be alive at once (see :func:`peak_bound`).
+        high: everything that may be alive at once.
+    """
+
+    low: int
+    high: int
+
+    def check(self, peak: int) -> float:
+        """``peak`` as a fraction of :attr:`high`, once it is checked to lie in the bound.
+
+        Raises:
+            ValueError: ``peak`` below :attr:`low` (the prediction counts bytes that were
+                never allocated) or above :attr:`high` (something the prediction leaves
+                out was alive).
+        """
+        if not self.low <= peak <= self.high:
+            raise ValueError(
+                f"allocator peak {peak:,} B outside the predicted bound "
+                f"[{self.low:,}, {self.high:,}] B"
+            )
+        return peak / self.high
+
+
+def peak_bound(
+    *, activations: int, recompute: int, gradients: int, logits: int, largest: int,
+    tensors: int,
+) -> PeakBound:  # fmt: skip
+    """Bound an allocator's peak during one forward and backward, above the weights.
+
+    - Low: when forward ends, every activation saved for backward is alive, and so are the
+      logits (the log-softmax reads them; its output is one of the activations):
+      ``activations + logits``.
+    - High: at most everything at once: the activations, the largest region recomputed in
+      backward, every gradient, the logits and the two gradients of their size the loss's
+      backward holds together (with respect to the log-probabilities and to the logits),
+      an operation's backward holding the gradients of its output and its input (twice the
+      largest tensor of a block), and the allocator's rounding: less than
+      :data:`ALLOCATOR_BLOCK` bytes per live tensor, ``tensors`` of them at most.
+
+    Args:
+        activations, recompute: :func:`predict_activations`' ``held`` and ``recompute``.
+        gradients: bytes of the parameters' gradients (:func:`state_bytes`).
+        logits: bytes of the ``[b, s, V]`` logits.
+        largest: bytes of the largest tensor inside a block (the scores ``e a s^2 b`` of the
+            written-out attention, or the MLP's ``4 e s b h``).
+        tensors: tensors alive at once, at most: the saved storages, the gradients and a
+            few temporaries.
+
+    Raises:
+        ValueError: a negative term.
+    """
+    terms = (activations, recompute, gradients, logits, largest, tensors)
+    if min(terms) < 0:
+        raise ValueError(f"the terms of the bound must not be negative: {terms}")
+    high = (activations + recompute + gradients + 3 * logits + 2 * largest
+            + ALLOCATOR_BLOCK * tensors)  # fmt: skip
+    return PeakBound(low=activations + logits, high=high)
 
 
 def profiled_peak_bytes(fn: Callable[[], object]) -> int:

@@ -32,6 +32,7 @@ Every function takes what it needs as arguments; nothing is kept at module level
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 
@@ -46,7 +47,6 @@ __all__ = [
     "DP_KINDS",
     "LAYOUTS",
     "MESH_DIMS",
-    "PEAK_BF16_FLOPS",
     "GPTStage",
     "Layout",
     "MeshModel",
@@ -59,7 +59,6 @@ __all__ = [
     "expected_memory_bytes",
     "layout",
     "mesh_groups",
-    "mfu",
     "split_stages",
     "tensor_bytes",
     "token_mean_loss",
@@ -295,7 +294,10 @@ def apply_tensor_parallel(
     return model
 
 
-def apply_data_parallel(model: nn.Module, mesh, lay: Layout, reshard_after_forward: bool = True):
+def apply_data_parallel(
+    model: nn.Module, mesh, lay: Layout, reshard_after_forward: bool = True,
+    param_dtype: torch.dtype | None = None,
+):  # fmt: skip
     """Wrap ``model`` for the layout's data parallelism over ``mesh`` (see :func:`build_mesh`).
 
     ``"ddp"``: ``DistributedDataParallel`` over the ``replicate`` dimension's group.
@@ -303,13 +305,20 @@ def apply_data_parallel(model: nn.Module, mesh, lay: Layout, reshard_after_forwa
     ``"hsdp"``: the same over the 2-D ``mesh["replicate", "shard"]``: parameters sharded
     within a replica group, gradients reduce-scattered there and all-reduced across replicas.
 
+    With ``param_dtype`` (FSDP2 and HSDP only) every unit gets FSDP2's
+    ``MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)``: the
+    sharded parameters, their gradients and the optimizer stay in the model's dtype
+    (float32 master weights), the gathered parameters and the compute are in
+    ``param_dtype``, gradients are reduced in float32 (TorchTitan's default; lesson 14).
+    DDP takes no such policy: :class:`MeshModel` runs its forward under ``torch.autocast``.
+
     Returns:
         The wrapped model (DDP) or ``model`` (FSDP2 changes it in place).
 
     Raises:
         ValueError: DDP asked for with tensor parallelism (use FSDP over ``shard`` instead).
     """
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if lay.data == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -319,10 +328,13 @@ def apply_data_parallel(model: nn.Module, mesh, lay: Layout, reshard_after_forwa
         group = mesh["replicate"].get_group()
         return DistributedDataParallel(model, process_group=group)
     sub = mesh["replicate", "shard"] if lay.data == "hsdp" else mesh["shard"]
+    kw = {"mesh": sub, "reshard_after_forward": reshard_after_forward}
+    if param_dtype is not None:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     blocks = model.blocks.values() if isinstance(model.blocks, nn.ModuleDict) else model.blocks
     for block in blocks:
-        fully_shard(block, mesh=sub, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=sub, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
     return model
 
 
@@ -485,17 +497,31 @@ class MeshModel:
         loss_parallel: with tensor parallelism, compute the loss on vocabulary shards.
         reshard_after_forward: FSDP2's choice (False keeps the gathered parameters
             for backward: fewer all-gathers, more memory).
+        compute_dtype: mixed precision (``torch.bfloat16``): the parameters stay in
+            ``model``'s dtype; FSDP2 and HSDP compute in ``compute_dtype`` through their
+            ``MixedPrecisionPolicy`` (:func:`apply_data_parallel`), DDP under
+            ``torch.autocast`` (forward and loss; backward follows the forward's dtypes).
+            The loss is computed on float32 logits. ``None``: compute in ``model``'s dtype.
+
+    Raises:
+        ValueError: ``compute_dtype`` with DDP inside a pipeline (its schedule runs
+            forward and backward together, so autocast cannot cover the forward alone).
     """
 
     def __init__(self, model: TinyGPT, lay: Layout, mesh, microbatches: int = 2,
-                 loss_parallel: bool = True, reshard_after_forward: bool = True):  # fmt: skip
+                 loss_parallel: bool = True, reshard_after_forward: bool = True,
+                 compute_dtype: torch.dtype | None = None):  # fmt: skip
+        if compute_dtype is not None and lay.data == "ddp" and lay.pp > 1:
+            raise ValueError("mixed precision with DDP inside a pipeline: use fsdp")
         self.layout, self.mesh = lay, mesh
+        self.compute_dtype = compute_dtype
         self.loss_parallel = loss_parallel and lay.tp > 1
         self.stage_index = mesh.get_local_rank("pp")
         module = split_stages(model, lay.pp)[self.stage_index] if lay.pp > 1 else model
         if lay.tp > 1:
             apply_tensor_parallel(module, mesh["tp"], lay.sequence_parallel, self.loss_parallel)
-        self.module = apply_data_parallel(module, mesh, lay, reshard_after_forward)
+        fsdp_dtype = compute_dtype if lay.data != "ddp" else None
+        self.module = apply_data_parallel(module, mesh, lay, reshard_after_forward, fsdp_dtype)
         # The data-parallel ranks: one group, or HSDP's two (summing over both sums over dp).
         self.dp_groups = [mesh[n].get_group() for n in ("replicate", "shard") if mesh[n].size() > 1]
         self.schedule = None
@@ -510,14 +536,29 @@ class MeshModel:
             self.schedule = ScheduleGPipe(stage, microbatches, loss_fn=self.loss,
                                           scale_grads=True)  # fmt: skip
 
+    @staticmethod
+    def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of ``[B, T, V]`` logits; 16-bit logits are upcast to float32
+        first (the log-softmax over V in bfloat16 would round every probability)."""
+        if logits.dtype in (torch.bfloat16, torch.float16):
+            logits = logits.float()
+        return functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of this slice, on vocabulary shards under loss parallelism."""
         from torch.distributed.tensor.parallel import loss_parallel
 
         if not self.loss_parallel:
-            return functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+            return self.cross_entropy(logits, targets)
         with loss_parallel():
-            return functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+            return self.cross_entropy(logits, targets)
+
+    def autocast(self):
+        """``torch.autocast`` to ``compute_dtype`` for DDP's forward; a no-op otherwise."""
+        if getattr(self, "compute_dtype", None) is None or self.layout.data != "ddp":
+            return contextlib.nullcontext()  # also for subclasses that set up their own layout
+        device_type = next(self.module.parameters()).device.type
+        return torch.autocast(device_type, dtype=self.compute_dtype)
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """Forward and backward of this rank's slice ``int64 [B/dp, T]``; the global mean loss.
@@ -551,10 +592,11 @@ class MeshModel:
         else:
             if self.loss_parallel:
                 with loss_parallel():
-                    loss = functional.cross_entropy(self.module(x).flatten(0, 1), y.flatten())
+                    loss = self.cross_entropy(self.module(x), y)
                     loss.backward()
             else:
-                loss = self.loss(self.module(x), y)
+                with self.autocast():
+                    loss = self.loss(self.module(x), y)
                 loss.backward()
             local = loss.detach()
             local = (local.full_tensor() if hasattr(local, "full_tensor") else local).to(
@@ -641,21 +683,3 @@ def comm_debug_counts(mode, dimension: str = "tp") -> dict[str, int]:
         short = name.split(".")[-1].removesuffix("_into_tensor").removesuffix("_tensor")
         out[f"{short} {dimension}"] = out.get(f"{short} {dimension}", 0) + n
     return out
-
-
-# Dense bfloat16 peak of a few GPUs, FLOP/s, from the vendors' data sheets (with sparsity: x2).
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12}
-
-
-def mfu(params: int, tokens_per_s: float, peak_flops: float) -> float:
-    """Model FLOPs utilisation ``6 * params * tokens/s / peak`` (Chowdhery et al. 2022, appendix B).
-
-    6 FLOPs per parameter and token: 2 in forward, 4 in backward; attention's
-    ``[T, T]`` products are left out (small at TinyGPT's lengths).
-
-    Raises:
-        ValueError: a peak that is not positive.
-    """
-    if peak_flops <= 0:
-        raise ValueError(f"peak_flops must be positive, not {peak_flops}")
-    return 6 * params * tokens_per_s / peak_flops

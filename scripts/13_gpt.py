@@ -13,6 +13,11 @@ of the sequence), the pipeline ranks split the blocks. With --check the same
 ranks train DDP too (same weights, same batches) and the losses and final
 parameters are compared. Rank 0 samples text from the trained model and
 writes the loss curve, tokens/s and, on a GPU in bfloat16, the MFU to --results.
+tokens/s counts only the steps after the first --warmup ones (the first steps
+build communicators and caches), timed with the GPU synchronised before each
+clock read. --dtype bfloat16 is mixed precision: float32 master weights and
+optimizer state, FSDP2's MixedPrecisionPolicy (bfloat16 compute, float32
+gradient reduction), DDP under torch.autocast.
 
 --suite (4 ranks, float64): every layout of ddp_course.mesh_layouts.LAYOUTS
 trains --steps steps from the same weights on the same global batch and is
@@ -24,6 +29,7 @@ normalisation lab (padded sequences).
 
 import argparse
 import logging
+import statistics
 import time
 import warnings
 
@@ -40,6 +46,7 @@ from ddp_course.comm_cost import CollectiveLog
 from ddp_course.data import lm_batch, shakespeare_bytes
 from ddp_course.models import TinyGPT, lm_loss
 from ddp_course.runtime import distributed, get_logger, no_tf32
+from ddp_course.tools import flops
 from ddp_course.tools.records import write_results
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -61,6 +68,7 @@ def parse_args():
     p.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--warmup", type=int, default=3, help="first steps left out of tokens/s")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per data-parallel rank")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--d-model", type=int, default=64)
@@ -93,17 +101,29 @@ def my_slice(batch, mesh, dp):
     return [t[r * per : (r + 1) * per] for t in batch]
 
 
-def train(lay, model, batches, ctx, optimizer, lr):
-    """Train ``model`` laid out as ``lay``; the loss of every step and the MeshModel."""
+def synced_clock(device):
+    """Seconds now, once the device has done its queued work (a GPU runs asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def train(lay, model, batches, ctx, optimizer, lr, compute_dtype=None):
+    """Train ``model`` laid out as ``lay``: the loss of every step, the MeshModel, the
+    optimizer and the seconds of every step (the set-up before the first is not timed)."""
     mesh = ml.build_mesh(lay, ctx.device.type)
-    mm = ml.MeshModel(model, lay, mesh)  # NEW: the layout, from one line of sizes
+    mm = ml.MeshModel(model, lay, mesh, compute_dtype=compute_dtype)  # NEW: a layout, one line
     opt = optimizer(mm.module.parameters(), lr)
-    losses = []
+    losses, seconds = [], []
+    before = synced_clock(ctx.device)
     for batch in batches:
         losses.append(mm.forward_backward(*my_slice(batch, mesh, lay.dp)))
         opt.step()
         opt.zero_grad()
-    return losses, mm, opt
+        after = synced_clock(ctx.device)
+        seconds.append(after - before)
+        before = after
+    return losses, mm, opt, seconds
 
 
 def sgd(params, lr):
@@ -179,7 +199,7 @@ def checkpoint_round_trip(ctx, config, dtype, batches, lr, folder):
     """Save on the 2 x 2 mesh (FSDP x TP), reload on 4 x 1 (FSDP) and in one process;
     each takes the next step; the losses and parameters after it are compared."""
     *before, after = batches
-    _, mm, opt = train(ml.layout("fsdp x tp", ctx.world_size),
+    _, mm, opt, _ = train(ml.layout("fsdp x tp", ctx.world_size),
                        new_model(config, dtype, ctx.device, 0), before, ctx, sgd, lr)  # fmt: skip
     model_sd, optim_sd = get_state_dict(mm.module, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder)
@@ -260,7 +280,7 @@ def suite(args, ctx, config, dtype, log):
     for name in ml.LAYOUTS:
         lay = ml.layout(name, ctx.world_size)
         model = new_model(config, dtype, ctx.device, 0)
-        losses, mm, _ = train(lay, model, train_batches, ctx, sgd, SUITE_LR)
+        losses, mm, *_ = train(lay, model, train_batches, ctx, sgd, SUITE_LR)
         params = mm.full_parameters()
         rows.append({"layout": name, "pp": lay.pp, "dp": lay.dp, "tp": lay.tp,
                      "losses": losses, "gap": max_gap(params, reference),
@@ -295,6 +315,11 @@ def run_suite(args, ctx, dtype, log):
     write_results(ctx, args.results, result, args=vars(args))
 
 
+def master_dtypes(module):
+    """The dtypes of the parameters the optimizer updates, by name (a DTensor's is its shard's)."""
+    return sorted({str(p.dtype) for p in module.parameters()})
+
+
 def sample(params, config, dtype, ctx, new_bytes, seed):
     """Text from the trained weights, gathered whole, on one process: a prompt and new bytes."""
     whole = TinyGPT(**config).to(device=ctx.device, dtype=dtype)
@@ -305,7 +330,7 @@ def sample(params, config, dtype, ctx, new_bytes, seed):
     return bytes(text[0].tolist()).decode("ascii", errors="replace")
 
 
-def run_training(args, ctx, dtype, log):
+def run_training(args, ctx, log):
     config = dict(d_model=args.d_model, n_heads=4, n_layers=args.layers, seq_len=args.seq_len)
     lay = ml.Layout("run", dp=args.dp, tp=args.tp, pp=args.pp, sequence_parallel=args.sp)
     if lay.world_size != ctx.world_size:
@@ -319,38 +344,61 @@ def run_training(args, ctx, dtype, log):
             f"--check: DDP splits the global batch of {global_batch} sequences over "
             f"{ctx.world_size} ranks: make --batch-size * --dp a multiple of the world size"
         )
+    if args.warmup < 0:
+        raise ValueError(f"--warmup {args.warmup}: the warm-up steps cannot be negative")
+    # NEW: bfloat16 is mixed precision: float32 master weights, bfloat16 compute.
+    mixed = args.dtype == "bfloat16"
+    dtype, compute = (torch.float32, torch.bfloat16) if mixed else (DTYPES[args.dtype], None)
     batches = global_batches(args.steps, global_batch, args.seq_len, args.seed, ctx.device)
-    start = time.perf_counter()
     model = new_model(config, dtype, ctx.device, args.seed)
-    losses, mm, _ = train(lay, model, batches, ctx, adamw, args.lr)
-    if ctx.device.type == "cuda":
-        torch.cuda.synchronize()  # the clock after the GPU's queued work
-    seconds = time.perf_counter() - start
+    n_params = sum(p.numel() for p in model.parameters())
+    n_matmul = n_params - model.tok_emb.weight.numel() - model.pos_emb.weight.numel()
+    computed = set()  # the dtype the head computes in: bfloat16 under mixed precision
+    model.head.register_forward_hook(lambda module, inputs, out: computed.add(str(out.dtype)))
+    losses, mm, _, step_seconds = train(lay, model, batches, ctx, adamw, args.lr, compute)
     params = mm.full_parameters()
-    n_params = sum(p.numel() for p in new_model(config, dtype, ctx.device, 0).parameters())
-    tokens_per_s = args.steps * global_batch * args.seq_len / seconds
+    timed = step_seconds[args.warmup :]  # the first steps build communicators and caches
+    seconds = sum(timed) if timed else None
     result = {"layout": {"pp": lay.pp, "dp": lay.dp, "tp": lay.tp, "sp": lay.sequence_parallel},
-              "config": config, "dtype": args.dtype, "losses": losses, "seconds": seconds,
-              "tokens_per_s": tokens_per_s, "params": n_params}  # fmt: skip
+              "config": config, "dtype": args.dtype, "master_dtypes": master_dtypes(mm.module),
+              "head_output_dtypes": sorted(computed), "losses": losses, "params": n_params,
+              "warmup_steps": args.warmup, "timed_steps": len(timed),
+              "step_seconds": step_seconds, "seconds": seconds}  # fmt: skip
     gpu = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else ""
-    peak = next((f for k, f in ml.PEAK_BF16_FLOPS.items() if k in gpu), None)
-    if peak is not None and args.dtype == "bfloat16":
-        result["mfu"] = ml.mfu(n_params, tokens_per_s / ctx.world_size, peak)
+    result["gpu"] = gpu
+    if seconds is None:
+        result["tokens_per_s"] = None
+        no_time = f"{args.steps} steps leave none after --warmup {args.warmup}"
+        result["tokens_per_s_skipped"] = no_time
+        log.info(f"tokens/s skipped: {no_time}")
     else:
-        result["mfu_skipped"] = "MFU needs a GPU of known bfloat16 peak and --dtype bfloat16"
-        log.info(f"MFU skipped: {result['mfu_skipped']}")
+        result["tokens_per_s"] = len(timed) * global_batch * args.seq_len / seconds
+        result["median_step_s"] = statistics.median(timed)
+    why = flops.skip_reason(gpu, args.dtype)
+    if why is None and result["tokens_per_s"] is None:
+        why = "MFU skipped: no step was timed"
+    if why is None:
+        per_token = flops.flops_per_token(n_matmul, args.layers, args.d_model, args.seq_len)
+        per_gpu = result["tokens_per_s"] / ctx.world_size  # each GPU's share of the tokens
+        result["mfu"] = flops.mfu(per_token, per_gpu, flops.peak_bf16_flops(gpu))
+        result["flops_per_token"] = per_token
+        log.info(f"MFU {result['mfu']:.2%} of the {gpu}'s dense bfloat16 peak")
+    else:
+        result["mfu_skipped"] = why
+        log.info(why)
     if args.check:  # NEW: the same weights and batches with DDP over every rank
         ddp = ml.Layout("ddp", dp=ctx.world_size, data="ddp")
         model = new_model(config, dtype, ctx.device, args.seed)
-        result["ddp_losses"], ddp_mm, _ = train(ddp, model, batches, ctx, adamw, args.lr)
+        result["ddp_losses"], ddp_mm, *_ = train(ddp, model, batches, ctx, adamw, args.lr, compute)
         result["param_gap"] = max_gap(params, ddp_mm.full_parameters())
     if lay.pp == 1 and args.sample:
         result["sample"] = sample(params, config, dtype, ctx, args.sample, args.seed)
     elif args.sample:
         result["sample_skipped"] = "with --pp > 1 each rank holds only its stage's blocks"
         log.info(f"sampling skipped: {result['sample_skipped']}")
+    speed = "" if result["tokens_per_s"] is None else f", {result['tokens_per_s']:,.0f} tokens/s"
     log.info(f"{lay.pp}x{lay.dp}x{lay.tp} (pp x dp x tp): loss {losses[0]:.3f} -> "
-             f"{losses[-1]:.3f} in {args.steps} steps, {tokens_per_s:,.0f} tokens/s")  # fmt: skip
+             f"{losses[-1]:.3f} in {args.steps} steps{speed}")  # fmt: skip
     write_results(ctx, args.results, result, args=vars(args))
 
 
@@ -362,7 +410,7 @@ def main():
         if args.suite:
             run_suite(args, ctx, DTYPES[args.dtype], log)
         else:
-            run_training(args, ctx, DTYPES[args.dtype], log)
+            run_training(args, ctx, log)
 
 
 if __name__ == "__main__":

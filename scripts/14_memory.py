@@ -11,10 +11,13 @@ saved-tensor hooks, predicts them from the shapes (ddp_course.activation_memory)
 checks that the gradients equal those without checkpointing bit for bit, counts
 the matmul FLOPs of forward and backward (recomputation shows as extra FLOPs)
 and times the step (printed, never asserted). On a GPU it also reads the CUDA
-allocator's peak for each policy against the prediction; on a CPU that part is
-skipped and says so. With 2 or more ranks it shards the model with FSDP2 under
-MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) and measures
-each state's bytes on every rank against the formula. Rank 0 writes --results.
+allocator's peak for each policy and checks it lies within the bound that
+ddp_course.activation_memory.peak_bound predicts (at least the activations and
+the logits; at most everything the step may hold at once, with the allocator's
+512-byte rounding); on a CPU that part is skipped and says so. With 2 or more
+ranks it shards the model with FSDP2 under MixedPrecisionPolicy(
+param_dtype=bfloat16, reduce_dtype=float32) and measures each state's bytes on
+every rank against the formula. Rank 0 writes --results.
 """
 
 import argparse
@@ -76,6 +79,7 @@ def measure_policy(args, policy, dev, x, y, reference):
     record = ac.apply_policy(model, policy)  # NEW: the policy wraps blocks in place
     with FlopCounterMode(display=False) as flops:
         saved, _ = step(model, x, y, args.seed)
+    storages = sum(1 for *_, kind in saved.saved if kind == "activation")
     held = saved.activation_bytes + record.saved_bytes  # before the timed steps add theirs
     grads = [p.grad for p in model.parameters()]
     equal = reference is None or all(torch.equal(a, b) for a, b in zip(grads, reference))
@@ -97,15 +101,27 @@ def measure_policy(args, policy, dev, x, y, reference):
            "step_s": statistics.median(times)}  # fmt: skip
     if dev.type == "cuda":
         # The allocator's peak above the weights: activations, gradients, logits and the
-        # region recomputed in backward.
+        # region recomputed in backward, with the temporaries and rounding of the bound.
         model.zero_grad(set_to_none=True)
         torch.cuda.reset_peak_memory_stats(dev)
         base = torch.cuda.memory_allocated(dev)
         step(model, x, y, args.seed)
-        row["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(dev) - base
-        logits = 4 * args.batch_size * args.seq_len * 256
-        row["cuda_predicted_bytes"] = (predicted["held"] + predicted["recompute"] + logits
-                                       + am.state_bytes(model)["gradients"])  # fmt: skip
+        peak = torch.cuda.max_memory_allocated(dev) - base
+        b, s, h, a = args.batch_size, args.seq_len, args.d_model, args.n_heads
+        logits = 4 * b * s * model.head.out_features
+        gradients = am.state_bytes(model)["gradients"]
+        # At most: saved storages, gradients, a kept input per checkpointed region, 8 more.
+        tensors = storages + len(grads) + 2 * args.n_layers + 8
+        bound = am.peak_bound(activations=predicted["held"], recompute=predicted["recompute"],
+                              gradients=gradients, logits=logits,
+                              largest=4 * max(4 * s * b * h, a * s * s * b),
+                              tensors=tensors)  # fmt: skip
+        row["cuda_peak_bytes"] = peak
+        row["cuda_predicted_bytes"] = (
+            predicted["held"] + predicted["recompute"] + logits + gradients
+        )
+        row["cuda_low_bytes"], row["cuda_high_bytes"] = bound.low, bound.high
+        row["cuda_peak_of_high"] = bound.check(peak)  # raises outside the bound
     return row, grads
 
 
@@ -174,6 +190,10 @@ def main():
             log.info(f"{policy:>17}: saved {row['measured_bytes']:>9,} B (predicted "
                      f"{row['predicted_bytes']:,}), {row['flops']:,} FLOPs, grads equal to "
                      f"none: {equal}, step {ms:.1f} ms")  # fmt: skip
+            if "cuda_peak_bytes" in row:
+                log.info(f"{'':>17}  CUDA peak {row['cuda_peak_bytes']:,} B within "
+                         f"[{row['cuda_low_bytes']:,}, {row['cuda_high_bytes']:,}] B, "
+                         f"{row['cuda_peak_of_high']:.0%} of the high end")  # fmt: skip
         if dev.type != "cuda":
             log.info("skipped: the CUDA allocator's peak per policy needs a GPU")
         result = {"world_size": ctx.world_size, "device": str(dev), "config": config(args),

@@ -99,8 +99,5 @@ def test_token_mean_loss_in_one_process_is_the_mean_over_real_tokens():
         ml.token_mean_loss(logits, torch.full_like(y, -100))
 
 
-def test_tensor_bytes_and_mfu():
+def test_tensor_bytes():
     assert ml.tensor_bytes([torch.zeros(3, dtype=torch.float64), None, torch.zeros(2)]) == 32
-    assert ml.mfu(1000, 1e6, 6e9) == pytest.approx(1.0)
-    with pytest.raises(ValueError):
-        ml.mfu(1, 1, 0)

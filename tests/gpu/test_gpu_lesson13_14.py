@@ -1,0 +1,81 @@
+"""Lessons 13 and 14 on a GPU: the plain-python runs (a group of one on nccl, so CUDA even
+with one GPU) of ``13_gpt.py`` (float32 against DDP with --check; bfloat16 mixed precision
+with tokens/s and the MFU, or the reason it is skipped) and of ``14_memory.py`` (the CUDA
+allocator's peak of every checkpointing policy within the bound the lesson predicts); with
+4 GPUs, lesson 13's 4-rank suite on nccl. A few seconds each, the suite longer.
+"""
+
+import pytest
+from gpu_support import keep, needs_4_gpus, needs_gpu, run
+
+from ddp_course.harness import launch
+from ddp_course.tools import flops
+
+pytestmark = pytest.mark.serial
+
+TINY = ["--d-model", "16", "--seq-len", "16"]
+
+
+def _python(root, script, args):
+    return launch.python(root / "scripts" / script, args, results=True, echo=False,
+                         timeout_s=300).results  # fmt: skip
+
+
+@needs_gpu
+def test_gpt_plain_run_matches_ddp_on_a_gpu(root):
+    r = _python(root, "13_gpt.py", ["--steps", "3", "--check", "--sample", "8", *TINY])
+    keep("13_gpt_check", r)
+    assert r["meta"]["device"].startswith("cuda") and r["meta"]["backend"] == "nccl"
+    assert r["gpu"] and r["master_dtypes"] == ["torch.float32"]
+    # FSDP2 over one GPU against DDP over one GPU, float32 with TF32 off: the same sums,
+    # though cuBLAS may pick other kernels for FSDP2's gathered copies of the weights.
+    assert r["losses"] == pytest.approx(r["ddp_losses"], rel=1e-5)
+    assert r["param_gap"] <= 1e-4
+    assert r["sample"].startswith("ROMEO:")
+
+
+@needs_gpu
+def test_gpt_bfloat16_records_tokens_per_s_and_mfu(root):
+    args = ["--dtype", "bfloat16", "--steps", "30", "--warmup", "10", "--sample", "0",
+            "--d-model", "128", "--seq-len", "128", "--batch-size", "16"]  # fmt: skip
+    r = _python(root, "13_gpt.py", args)
+    keep("13_gpt_bf16", {k: r.get(k) for k in ("meta", "gpu", "tokens_per_s", "median_step_s",
+                                                "mfu", "mfu_skipped", "flops_per_token",
+                                                "timed_steps", "master_dtypes")})  # fmt: skip
+    assert r["master_dtypes"] == ["torch.float32"]  # float32 master weights
+    assert r["head_output_dtypes"] == ["torch.bfloat16"]  # bfloat16 compute
+    assert r["timed_steps"] == 20 and r["tokens_per_s"] > 0
+    if flops.peak_bf16_flops(r["gpu"]) is None:
+        assert r["mfu_skipped"] == f"MFU skipped: no peak known for {r['gpu']}"
+    else:
+        assert 0 < r["mfu"] < 1, r["mfu"]
+
+
+@needs_gpu
+def test_memory_cuda_peak_within_the_predicted_bound(root):
+    r = _python(root, "14_memory.py", ["--steps", "1"])  # the script raises outside the bound
+    rows = {row["policy"]: row for row in r["rows"]}
+    keep("14_memory_cuda_peak", {"meta": r["meta"], "rows": r["rows"]})
+    assert r["device"].startswith("cuda")
+    for policy, row in rows.items():
+        assert row["measured_bytes"] == row["predicted_bytes"], policy
+        assert row["grads_equal_none"], policy
+        assert row["cuda_low_bytes"] <= row["cuda_peak_bytes"] <= row["cuda_high_bytes"], row
+    assert rows["every_block"]["cuda_peak_bytes"] < rows["none"]["cuda_peak_bytes"]
+
+
+@needs_4_gpus
+def test_gpt_suite_on_four_gpus(root, tmp_path):
+    r = run(root, "13_gpt.py", ["--suite", "--dtype", "float64", "--steps", "5",
+                                "--checkpoint", str(tmp_path / "dcp")], nproc=4)  # fmt: skip
+    keep("13_gpt_suite", {"meta": r["meta"], "gaps_by_rank": r["gaps_by_rank"],
+                          "checkpoint": r["checkpoint"]})  # fmt: skip
+    assert r["meta"]["backend"] == "nccl"
+    for gaps in r["gaps_by_rank"]:
+        assert all(g <= 1e-10 for g in gaps.values()), gaps
+    for row in r["memory"]:
+        assert row["held"] == row["formula"], row
+    for key, c in r["counts"].items():
+        assert c["measured"] == c["formula"], key
+    for where in ("4x1", "one process"):
+        assert r["checkpoint"][where]["gap"] <= 1e-10

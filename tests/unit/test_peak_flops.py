@@ -1,0 +1,59 @@
+"""ddp_course.tools.flops: peaks by exact device name, the model FLOPs per token, MFU."""
+
+import pytest
+
+from ddp_course.tools import flops
+
+# What torch.cuda.get_device_name() reports, and the dense bfloat16 peak of its data sheet.
+KNOWN = {
+    "NVIDIA H100 80GB HBM3": 989.4e12,
+    "NVIDIA H100 PCIe": 756.5e12,
+    "NVIDIA H100 NVL": 835.5e12,
+    "NVIDIA H200": 989.4e12,
+    "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA A100-SXM4-40GB": 312e12,
+    "NVIDIA A100-PCIE-40GB": 312e12,
+    "NVIDIA A100 80GB PCIe": 312e12,
+    "NVIDIA L4": 121e12,
+    "NVIDIA L40S": 362.05e12,
+}
+
+
+@pytest.mark.parametrize("name", sorted(KNOWN))
+def test_every_known_name_gets_its_own_peak(name):
+    assert flops.peak_bf16_flops(name) == KNOWN[name]
+    assert flops.skip_reason(name, "bfloat16") is None
+
+
+def test_cards_that_share_a_substring_get_different_peaks():
+    # A substring lookup gave the PCIe and NVL cards the SXM's peak, the L40S the L4's.
+    assert flops.peak_bf16_flops("NVIDIA H100 PCIe") < flops.peak_bf16_flops("NVIDIA H100 NVL")
+    assert flops.peak_bf16_flops("NVIDIA H100 NVL") < flops.peak_bf16_flops("NVIDIA H100 80GB HBM3")
+    assert flops.peak_bf16_flops("NVIDIA L40S") == pytest.approx(3 * 120.7e12, rel=0.01)
+
+
+@pytest.mark.parametrize(
+    "name", ["NVIDIA RTX A1000", "NVIDIA RTX A1000 6GB Laptop GPU", "H100", "NVIDIA A10G",
+             "NVIDIA GeForce RTX 4090", "NVIDIA L40S-48C", "NVIDIA GH200 480GB", ""],
+)  # fmt: skip
+def test_an_unknown_or_partial_name_has_no_peak(name):
+    assert flops.peak_bf16_flops(name) is None
+
+
+def test_skip_reasons_name_what_is_missing():
+    assert flops.skip_reason("NVIDIA RTX A1000", "bfloat16") == (
+        "MFU skipped: no peak known for NVIDIA RTX A1000"
+    )
+    assert "CPU" in flops.skip_reason("", "bfloat16")
+    assert "float32" in flops.skip_reason("NVIDIA H100 80GB HBM3", "float32")
+
+
+def test_flops_per_token_and_mfu():
+    # 6 N + 12 L d T: N = 1000, L = 2, d = 8, T = 4 -> 6000 + 768.
+    assert flops.flops_per_token(1000, 2, 8, 4) == 6768
+    assert flops.mfu(6768, 1e6, 6768e6) == pytest.approx(1.0)
+    assert flops.mfu(6768, 0.5e6, 6768e6) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="positive"):
+        flops.mfu(1, 1, 0)
+    with pytest.raises(ValueError, match="negative"):
+        flops.flops_per_token(-1, 2, 8, 4)
