@@ -14,8 +14,9 @@ documents), counts the block products each rank computes (by wrapping
 block_attention) and the bytes each rank sends (by wrapping
 dist.batch_isend_irecv and dist.all_to_all_single), shows two mistakes
 (document boundaries ignored; torch's deprecated differentiable all_gather),
-tries PyTorch's own context_parallel, and measures, in one process, the error
-of the merged attention in bfloat16 as the number of key chunks grows.
+tries PyTorch's own context_parallel, measures ring attention in bfloat16
+with float32 and with bfloat16 accumulators, and measures, in one process, the
+error of the merged attention in bfloat16 as the number of key chunks grows.
 Results go to --results (rank 0).
 """
 
@@ -29,11 +30,13 @@ import torch.distributed.nn.functional as dist_nn
 
 from ddp_course import context_parallel as cp
 from ddp_course.comm_cost import CollectiveLog
-from ddp_course.runtime import distributed, get_logger
+from ddp_course.runtime import distributed, get_logger, no_tf32
 from ddp_course.tools.records import write_results
 
 METHODS = {"ring": cp.ring_attention, "ulysses": cp.ulysses_attention,
            "all-gather": cp.allgather_attention}  # fmt: skip
+# bfloat16 keeps 8 significant bits: rounding x once moves it by at most 2^-8 |x|.
+BF16_ROUNDING = 2.0**-8
 
 
 def parse_args():
@@ -145,6 +148,39 @@ def torch_context_parallel(ctx, args):
     return {"ran": True, "max_diff": (out - ref).abs().max().item()}
 
 
+def ring_bf16(ctx, args):
+    """Ring attention on bfloat16 q, k, v against float64 on the same values, all ranks.
+
+    For float32 (the default) and bfloat16 accumulators: the largest |ours - exact|
+    of the output and of the q, k, v gradients, and the most it goes past one
+    bfloat16 rounding of the exact value, 2^-8 |exact| (<= 0: within it).
+    """
+    q, k, v, grad = (x.to(torch.bfloat16).double()
+                     for x in whole(args, ctx.world_size, torch.float64, ctx.device))  # fmt: skip
+    ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref = cp.reference_attention(*ref_in, causal=True)
+    (ref * grad).sum().backward()
+
+    def mine(x):
+        return cp.shard_sequence(x, ctx.rank, ctx.world_size)
+
+    exact = [mine(x) for x in (ref, *(x.grad for x in ref_in))]
+    names, rows = ["output", "dq", "dk", "dv"], {}
+    for acc, dtype in (("float32", None), ("bfloat16", torch.bfloat16)):
+        local = [mine(x).to(torch.bfloat16).requires_grad_() for x in (q, k, v)]
+        out = cp.ring_attention(*local, causal=True, accumulate_dtype=dtype)
+        (out.double() * mine(grad)).sum().backward()
+        errors = [(a.double() - b).abs() for a, b in zip([out, *(x.grad for x in local)], exact)]
+        worst = torch.stack(
+            [e.max() for e in errors]
+            + [(e - BF16_ROUNDING * b.abs()).max() for e, b in zip(errors, exact)]
+        )
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # the worst rank
+        rows[acc] = {"max_error": dict(zip(names, worst[:4].tolist())),
+                     "beyond_one_rounding": dict(zip(names, worst[4:].tolist()))}  # fmt: skip
+    return rows
+
+
 def bf16_sweep(args, device):
     """One process: merged attention over n key chunks in float32 and bfloat16, against float64."""
     gen = torch.Generator().manual_seed(args.seed)
@@ -171,6 +207,7 @@ def main():
     args = parse_args()
     with distributed(group_of_one=True) as ctx:
         log = get_logger(ctx)
+        no_tf32()  # float32 compared to 1e-5, also on a GPU: no TensorFloat-32 matmuls
         n, docs = ctx.world_size, documents(ctx.world_size * args.t_local)
         diffs = {}
         for dtype in (torch.float64, torch.float32):
@@ -185,7 +222,7 @@ def main():
             ),  # fmt: skip
             "documents masked": max_diffs(ctx, args, cp.ring_attention, torch.float64, docs=docs),
         }
-        for b, h in ((2, 3), (1, 1)):
+        for b, h in ((2, 3), (1, 3), (2, 1), (1, 1)):
             mistakes[f"torch all_gather, batch {b}, heads {h}"] = max_diffs(
                 ctx, args, cp.allgather_attention, torch.float64, batch=b, heads=h,
                 gather=torch_gather)  # fmt: skip
@@ -212,6 +249,7 @@ def main():
             "formulas": {"ring": cp.ring_bytes(local_shape, 4, n),
                          "ulysses": cp.ulysses_bytes(local_shape, 4, n)},
             "torch_context_parallel": theirs, "ulysses_refused": refused,
+            "ring_bf16": ring_bf16(ctx, args),
             "bf16_sweep": bf16_sweep(args, ctx.device) if ctx.rank == 0 else None,
         }  # fmt: skip
         worst = max(max(d.values()) for k, d in diffs.items() if "float64" in k)

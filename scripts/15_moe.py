@@ -68,8 +68,10 @@ def whole_moe(args, k, capacity_factor, dtype=torch.float32):
     return ep.MoE(args.d_model, args.hidden, args.experts, k, capacity_factor).to(dtype)
 
 
-def max_over_ranks(value):
-    t = torch.tensor(float(value), dtype=torch.float64)
+def max_over_ranks(ctx, value):
+    """The largest ``value`` over the ranks (a Python float)."""
+    # On ctx.device: nccl takes CUDA tensors only, a CPU tensor is refused.
+    t = torch.tensor(float(value), dtype=torch.float64, device=ctx.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 
@@ -114,7 +116,7 @@ def check(args, ctx):
         "router gradient": (router - ref.router.weight.grad).abs().max().item(),
         "expert gradients": max((a - b).abs().max().item() for a, b in zip(experts, ref_experts)),
     }
-    diffs = {k: max_over_ranks(v) for k, v in diffs.items()}
+    diffs = {k: max_over_ranks(ctx, v) for k, v in diffs.items()}
 
     theirs = ep.ExpertParallelMoE(ref_copy(args, dev), r, n, exchange=torch_all_to_all).to(dev)
     t_y, t_xg, t_router, t_experts, _, _ = expert_parallel_run(theirs, x[mine], w[mine], n)
@@ -124,7 +126,7 @@ def check(args, ctx):
         "router gradient": (t_router - router).abs().max().item(),
         "expert gradients": max((a - b).abs().max().item() for a, b in zip(t_experts, experts)),
     }
-    torch_diffs = {k: max_over_ranks(v) for k, v in torch_diffs.items()}
+    torch_diffs = {k: max_over_ranks(ctx, v) for k, v in torch_diffs.items()}
 
     # Bytes this rank sent to other ranks, measured per call, and as the routing says.
     per = args.experts // n

@@ -11,6 +11,8 @@ bytes each rank sends (by wrapping ``dist.batch_isend_irecv`` and
 ``dist.all_to_all_single``). Then it runs the mistakes the checks must catch:
 merging without the log-sum-exp correction, the causal mask applied per chunk,
 document boundaries ignored, and torch's deprecated differentiable all_gather.
+Last, ring attention in bfloat16 with float32 (default) and bfloat16 accumulators,
+against float64 on the same values: how far each goes past one bfloat16 rounding.
 
     torchrun --nproc_per_node=2 tests/workers/context_parallel_check.py
 """
@@ -148,6 +150,33 @@ def torch_gather(x, group=None):
         return torch.cat(dist_nn.all_gather(x, group), dim=2)
 
 
+def ring_bf16(ctx, layout):
+    """Ring attention on bfloat16 q, k, v: per accumulator dtype, the most |ours - exact|
+    goes past one bfloat16 rounding of the exact value, 2^-8 |exact|, for the output and
+    the q, k, v gradients (exact: float64 on the same bfloat16 values)."""
+    q, k, v, grad = (x.to(torch.bfloat16).double() for x in whole(ctx.world_size, torch.float64))
+    ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref = cp.reference_attention(*ref_in, causal=True)
+    (ref * grad).sum().backward()
+
+    def mine(x):
+        return cp.shard_sequence(x, ctx.rank, ctx.world_size, layout)
+
+    exact = [mine(x) for x in (ref, *(x.grad for x in ref_in))]
+    beyond = {}
+    for acc, dtype in (("float32", None), ("bfloat16", torch.bfloat16)):
+        local = [mine(x).to(torch.bfloat16).requires_grad_() for x in (q, k, v)]
+        out = cp.ring_attention(*local, causal=True, layout=layout, accumulate_dtype=dtype)
+        (out.double() * mine(grad)).sum().backward()
+        got = [out, *(x.grad for x in local)]
+        assert all(g.dtype == torch.bfloat16 for g in got), [g.dtype for g in got]
+        beyond[acc] = {
+            name: ((a.double() - b).abs() - 2.0**-8 * b.abs()).max().item()
+            for name, a, b in zip(["output", "dq", "dk", "dv"], got, exact)
+        }
+    return beyond
+
+
 def check(ctx):
     fails, docs = {}, documents(ctx.world_size)
     for dtype in (torch.float64, torch.float32):
@@ -202,6 +231,7 @@ def check(ctx):
         except ValueError as e:
             errors[name] = str(e)
     out["errors"] = errors
+    out["ring_bf16"] = {layout: ring_bf16(ctx, layout) for layout in ("contiguous", "zigzag")}
     return out
 
 
