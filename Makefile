@@ -4,14 +4,20 @@
 # make lab     JupyterLab at the repository root (terminals there, .venv/bin first on PATH)
 # make site    the executed notebooks as a website in build/site (nothing is re-run)
 # make slurm-test  scripts/11_train.sbatch on a one-node Slurm started here (root; apt-get)
-# make gpu-check   on a GPU machine: tests/gpu/test_gpu.py and every notebook on the GPUs, a summary
-#                  in benchmarks/gpu-<GPU name>/ and a pass/fail table (at most 10 minutes)
+# make gpu-check   on a GPU machine: A the GPU tests (tests/gpu/), B the notebooks with a CUDA path at
+#                  this GPU count, cheapest first, one at a time, each only if its estimate fits the
+#                  budget (9 min + 1 to stop: 10 min with 1-3 GPUs; 4 GPUs default to 30), C the rest
+#                  listed as skipped; a summary in benchmarks/gpu-<GPU name>/ and a table; exit 0 all
+#                  of A and B ran and passed, 1 a failure, 2 no GPU, 3 not all of A and B ran.
+#                  Options go in ARGS: make gpu-check ARGS="--budget-s 1200 --all"
+# make gpu-check-plan  the plan, order and estimated time with 1, 2 and 4 GPUs; runs nothing, needs
+#                  no GPU (ARGS="--gpus 2" for one count)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup course test lab lint site slurm-test gpu-check
+.PHONY: setup course test lab lint site slurm-test gpu-check gpu-check-plan
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,4 +52,7 @@ slurm-test: $(STAMP)
 	$(PY) -m pytest tests/harness/test_slurm.py -v -ra
 
 gpu-check: $(STAMP)
-	$(PY) -m ddp_course gpu-check
+	$(PY) -m ddp_course gpu-check $(ARGS)
+
+gpu-check-plan: $(STAMP)
+	$(PY) -m ddp_course gpu-check --dry-run $(ARGS)

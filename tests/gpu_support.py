@@ -15,6 +15,7 @@ import pytest
 from ddp_course import runtime
 from ddp_course.harness import launch
 from ddp_course.harness.gpu_check import RESULTS_ENV
+from ddp_course.harness.gpu_plan import WORLD_SIZE_1
 
 GPUS = runtime.gpu_count()
 MAX_RANKS = 4  # more GPUs than this: the nccl jobs still use 4 ranks, to stay short
@@ -28,6 +29,14 @@ needs_2_gpus = pytest.mark.skipif(
 needs_4_gpus = pytest.mark.skipif(
     GPUS < 4, reason=f"needs 4 or more CUDA GPUs; {GPUS} visible"
 )  # fmt: skip
+
+
+def world_size_1(what: str) -> pytest.MarkDecorator:
+    """Skip with exactly one GPU (every nccl job there has one rank), saying which
+    multi-rank nccl path that leaves unexercised (no GPU at all: ``needs_gpu`` says so)."""
+    return pytest.mark.skipif(
+        GPUS == 1, reason=f"{WORLD_SIZE_1} (one GPU): {what}; needs 2 or more GPUs"
+    )
 
 
 def keep(name: str, results: dict) -> None:

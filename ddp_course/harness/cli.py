@@ -8,9 +8,12 @@
   with the kernel metadata JupyterLab writes, so opening them changes nothing.
 - ``lab``: JupyterLab rooted at the repository, its terminals in the
   repository root with this environment's ``bin`` first on ``PATH``.
-- ``gpu-check``: on a GPU machine, ``tests/gpu/test_gpu.py`` and every notebook on
-  the GPUs, a summary in ``benchmarks/gpu-<GPU name>/`` and a pass/fail table;
-  one line and exit code 2 without a GPU (see :mod:`ddp_course.harness.gpu_check`).
+- ``gpu-check``: on a GPU machine, the GPU tests (part A), then the notebooks with a
+  CUDA path at this GPU count (B), cheapest first within a time budget, the others (C)
+  listed as skipped; a summary in ``benchmarks/gpu-<GPU name>/`` and a table; exit 0
+  all ran and passed, 1 a failure, 2 no GPU, 3 not all of A and B ran in the budget.
+  ``--dry-run`` prints the plan for 1, 2 and 4 GPUs (``--gpus N``: one count) without
+  a GPU (see :mod:`ddp_course.harness.gpu_check` and :mod:`ddp_course.harness.gpu_plan`).
 """
 
 from __future__ import annotations
@@ -258,6 +261,67 @@ def lab(extra: Sequence[str]) -> int:
         return 0
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def add_gpu_check_arguments(gpu: argparse.ArgumentParser) -> None:
+    """The options of ``gpu-check`` (see :func:`run_gpu_check`)."""
+    gpu.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="start no new check after this many seconds (default 540 with 1-3 "
+        "GPUs, 1800 with 4 or more; whatever runs is stopped 60 s later)",
+    )
+    gpu.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=None,
+        help="results folder (default: benchmarks/gpu-<GPU name>)",
+    )
+    gpu.add_argument("--no-notebooks", action="store_true", help="run the GPU tests (part A) only")
+    gpu.add_argument(
+        "--all",
+        action="store_true",
+        dest="run_all",
+        help="also run the notebooks without a CUDA path (part C); the default "
+        "budget then fits every check",
+    )
+    gpu.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the plan, order and estimated time for 1, 2 and 4 GPUs and "
+        "run nothing (no GPU needed)",
+    )
+    gpu.add_argument("--gpus", type=_positive, default=None,
+                     help="with --dry-run: the plan for this GPU count only")  # fmt: skip
+
+
+def run_gpu_check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Run ``gpu-check`` with parsed ``args``; its exit status (see
+    :mod:`ddp_course.harness.gpu_check`). ``--gpus`` without ``--dry-run`` is a usage error
+    (a real run uses the GPUs this machine has)."""
+    from . import gpu_check
+    from .gpu_plan import PLAN_GPU_COUNTS
+
+    if args.dry_run:
+        counts = PLAN_GPU_COUNTS if args.gpus is None else (args.gpus,)
+        return gpu_check.dry_run(counts, args.budget_s, args.run_all)
+    if args.gpus is not None:
+        parser.error("--gpus only goes with --dry-run: a real run uses this machine's GPUs")
+    shown = ["python", "-m", "ddp_course", "gpu-check"]
+    shown += ["--budget-s", f"{args.budget_s:g}"] if args.budget_s is not None else []
+    shown += ["--no-notebooks"] if args.no_notebooks else []
+    shown += ["--all"] if args.run_all else []
+    out = None if args.out is None else args.out.resolve()
+    return gpu_check.gpu_check(args.budget_s, out, not args.no_notebooks,
+                               command=shlex.join(shown), run_all=args.run_all)  # fmt: skip
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m ddp_course COMMAND``: parse ``argv`` and run the command; its exit code."""
     parser = argparse.ArgumentParser(
@@ -279,15 +343,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser(
         "lab", help="JupyterLab on the repository (further options go to JupyterLab)",
     )  # fmt: skip
-    gpu = sub.add_parser(
-        "gpu-check", help="run the GPU tests and every notebook on this machine's GPUs",
-    )  # fmt: skip
-    gpu.add_argument("--budget-s", type=float, default=None,
-                     help="start no new check after this many seconds (default 540; every "
-                          "pass is stopped 60 s later)")  # fmt: skip
-    gpu.add_argument("--out", type=pathlib.Path, default=None,
-                     help="results folder (default: benchmarks/gpu-<GPU name>)")  # fmt: skip
-    gpu.add_argument("--no-notebooks", action="store_true", help="run tests/gpu/test_gpu.py only")
+    add_gpu_check_arguments(sub.add_parser(
+        "gpu-check", help="the GPU tests, then the notebooks with a CUDA path, on this "
+                          "machine's GPUs (--dry-run: the plan, no GPU needed)",
+    ))  # fmt: skip
     args, extra = parser.parse_known_args(argv)
     if args.command == "lab":
         return lab(extra)
@@ -296,13 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "check":
         return check()
     if args.command == "gpu-check":
-        from . import gpu_check
-
-        budget = gpu_check.BUDGET_S if args.budget_s is None else args.budget_s
-        shown = ["python", "-m", "ddp_course", "gpu-check", "--budget-s", f"{budget:g}"]
-        shown += ["--no-notebooks"] if args.no_notebooks else []
-        out = None if args.out is None else args.out.resolve()
-        return gpu_check.gpu_check(budget, out, not args.no_notebooks, command=shlex.join(shown))
+        return run_gpu_check(args, parser)
     if args.command == "course":
         paths = args.notebooks or sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
         if not paths:

@@ -1,62 +1,68 @@
 """``python -m ddp_course gpu-check`` (``make gpu-check``): the course's GPU paths, checked on
-this machine's GPUs, with a record of what ran.
+this machine's GPUs, in the order of what only a GPU can show, with a record of what ran.
 
-On a machine without a CUDA GPU it prints one line saying so and returns 2; nothing runs.
-Otherwise it runs three pytest passes from the repository root, as ``make test`` runs
-notebooks (see the Makefile):
+It first prints the plan (:mod:`ddp_course.harness.gpu_plan`: order, estimates, budget),
+then runs it from the repository root:
 
-1. ``tests/gpu/test_gpu.py``: nccl with one rank per GPU, the CPU fallback with more ranks
-   than GPUs, DataParallel (torch's and the course's), autocast with GradScaler,
-   SyncBatchNorm, the pipeline's CUDA clock, FSDP2, the benchmark's nccl sweep;
-2. the notebooks that may run beside others (those ``tests/conftest.py`` does not mark
-   ``serial``) on two pytest-xdist workers;
-3. the other notebooks, one at a time.
+- **A**, the GPU tests: every ``tests/gpu/test_*.py``, one pytest process per file;
+- **B**, the notebooks with a CUDA path with this many GPUs, cheapest first, one pytest
+  process each (no pytest-xdist on the GPUs), each started only if its estimate fits the
+  time left;
+- **C**, the other notebooks: a row ``skipped: no CUDA path with N GPU(s); `make test` runs
+  it``; they run with ``--all``, or when their estimate fits the time B left.
+
+``--dry-run`` prints the plans for 1, 2 and 4 GPUs (or ``--gpus N``) and runs nothing; it
+needs no GPU. Without ``--dry-run`` on a machine without a CUDA GPU it prints one line and
+returns 2.
 
 Outcomes come from pytest's own reports, not from its printed text: this module is also
 a pytest plugin (``-p ddp_course.harness.gpu_check``) that appends every test report to a
-JSON-lines file as it arrives, so the outcomes of a pass stopped at the time limit are
-kept too. The plugin also stops starting checks once the time budget is spent: a test,
-or a notebook's first cell, that would start later is skipped with the reason
-:data:`NOT_STARTED`; a notebook already started runs to its end. Every pass is killed,
-with everything it started, :data:`GRACE_S` seconds after the budget, so the whole
-command takes at most ``budget_s + GRACE_S`` seconds and a few more to read the machine
-and write the summary; the checks a killed pass had not begun are not listed.
+JSON-lines file as it arrives, so the outcomes of a pass stopped at the time limit are kept
+too. For a notebook cell it also keeps the lines its output starts with ``skipped`` or
+``SKIPPED`` (read from nbval's ``test_outputs``): a notebook that ran and printed such lines
+is reported ``skipped``, with their count and the first of them, never ``passed``. The
+plugin starts no test after the budget; a notebook already started runs on. Whatever runs
+:data:`GRACE_S` seconds after the budget is killed with everything it started and reported
+``not finished``.
 
-A check is one test of ``tests/gpu/test_gpu.py`` or one notebook (all its cells). The
-summary goes to ``benchmarks/gpu-<GPU name>[-x<N>]/gpu_check.json`` (see
-:func:`folder_name`)::
+A check is one GPU test or one notebook (all its cells). The summary goes to
+``benchmarks/gpu-<GPU name>[-x<N>]/gpu_check.json`` (see :func:`folder_name`)::
 
     {"command": "python -m ddp_course gpu-check --budget-s 540",
-     "utc": "2026-11-23T09:00:00+00:00", "budget_s": 540, "wall_s": 312.4,
-     "machine": {"python": "3.12.3", "torch": "2.13.0+cu128", "cuda": "12.8",
-                 "cudnn": 91002, "nccl": "2.27.5", "cpu_count": 16, "gpu_count": 1,
-                 "gpus": [{"name": "NVIDIA H100 80GB HBM3", "memory_GiB": 79.2,
-                           "capability": "9.0"}]},
-     "passes": [{"what": "GPU tests", "command": "python -m pytest ...",
-                 "returncode": 0, "seconds": 101.2}, ...],
-     "checks": [{"check": "tests/gpu/test_gpu.py::test_fsdp2_on_gpus", "outcome": "passed",
-                 "seconds": 14.2, "detail": ""},
-                {"check": "notebooks/05_ddp.ipynb", "outcome": "failed", "seconds": 80.1,
-                 "detail": "AssertionError: ..."}, ...],
-     "totals": {"failed": 1, "error": 0, "unfinished": 0, "passed": 20, "skipped": 1,
-                "not started": 0},
-     "results": ["05_train_ddp.json", ...]}
+     "utc": "2026-11-23T09:00:00+00:00", "budget_s": 540, "wall_s": 512.4, "gpus": 1,
+     "machine": {"python": "3.12.3", "torch": "2.13.0+cu130", "cuda": "13.0", ...,
+                 "gpu_count": 1, "gpus": [{"name": "NVIDIA H100 80GB HBM3", ...}]},
+     "plan": [{"part": "A", "check": "tests/gpu/test_gpu.py", "estimate_s": 205.0,
+               "how": "13 of 14 tests run with 1 GPU(s), 15 s each", "fits": true}, ...],
+     "passes": [{"part": "A", "what": "tests/gpu/test_gpu.py", "command": "python -m pytest
+                 ...", "returncode": 0, "seconds": 101.2}, ...],
+     "checks": [{"part": "A", "check": "tests/gpu/test_gpu.py::test_fsdp2_on_gpus",
+                 "outcome": "passed", "seconds": 14.2, "skips": 0, "detail": ""},
+                {"part": "B", "check": "notebooks/05_ddp.ipynb", "outcome": "skipped",
+                 "seconds": 80.1, "skips": 1, "detail": "ran; 1 part skipped: SKIPPED: ..."},
+                ...],
+     "totals": {"A": {"failed": 0, ...}, "B": {...}, "C": {...}},
+     "world_size_1": {"paths": [...], "tests": ["tests/gpu/test_gpu.py::test_...", ...]},
+     "results": ["05_train_ddp-world-size-1.json", ...]}
 
-``outcome`` is one of :data:`OUTCOMES`: ``failed`` (an assertion or exception in a test
-or cell), ``error`` (in a fixture's set-up or tear-down, or a file pytest could not
-collect), ``unfinished`` (killed at the time limit), ``passed``, ``skipped`` (the reason
-in ``detail``, e.g. too few GPUs), ``not started`` (the budget was spent). ``results``
-lists the JSON files the GPU tests wrote (each script's ``--results``), copied next to
-the summary; the tests write them into the folder named by :data:`RESULTS_ENV`. The
-same rows are printed as a table (:func:`format_table`), one line a check, then the
-totals.
+``outcome`` is one of :data:`OUTCOMES`: ``failed`` (an assertion or exception in a test or
+cell), ``error`` (in a fixture's set-up or tear-down, a file pytest could not collect, a
+pass that ended without reports), ``not finished`` (stopped at the time limit), ``passed``,
+``skipped`` (the reason in ``detail``: too few GPUs, world size 1, a notebook's skipped GPU
+parts, part C), ``not started`` (it did not fit the time left). ``world_size_1`` (one GPU
+only) names the multi-rank nccl paths one GPU cannot exercise and the GPU tests skipped
+for that reason. ``results`` lists the JSON files the GPU tests wrote (each script's
+``--results``, see :data:`RESULTS_ENV`), copied next to the summary; a record of world size
+1 gets ``-world-size-1`` in its name.
 
-Exit status: 0 every check ran and none failed; 1 a check failed, errored or was
-stopped unfinished; 2 no GPU; 3 nothing failed but the budget left checks not started.
+Exit status: 0 every check of A and B ran and none failed; 1 a check of A or B failed or
+errored; 2 no GPU; 3 nothing failed but a check of A or B was not started or not finished.
+Part C never changes it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -74,19 +80,34 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import psutil
 import pytest
 
+from .gpu_plan import (
+    GRACE_S,
+    PARTS,
+    PLAN_GPU_COUNTS,
+    WORLD_SIZE_1,
+    WORLD_SIZE_1_PATHS,
+    Plan,
+    c_reason,
+    format_plan,
+    make_plan,
+)
+
 # Nothing here imports torch at import time (ddp_course.runtime does): pytest loads this
-# module as a plugin into every pass and every xdist worker, most of which never need it.
+# module as a plugin into every pass, most of which never need it.
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-# The folder where tests/gpu/test_gpu.py writes the JSON results of the scripts it runs.
+# The folder where the GPU tests write the JSON results of the scripts they run.
 RESULTS_ENV = "DDP_COURSE_GPU_RESULTS"
 SUMMARY_NAME = "gpu_check.json"
-BUDGET_S = 540.0  # nothing new starts after 9 minutes ...
-GRACE_S = 60.0  # ... and every pass is killed a minute later: 10 minutes in all
 NOT_STARTED = "not started: the time budget of gpu-check was spent"
+NOT_FINISHED = "stopped at gpu-check's time limit"
 # Worst first: a check's outcome is the worst of its tests' (a notebook's cells').
-OUTCOMES = ("failed", "error", "unfinished", "passed", "skipped", "not started")
-EXIT_OK, EXIT_FAILED, EXIT_NO_GPU, EXIT_NOT_STARTED = 0, 1, 2, 3
+OUTCOMES = ("failed", "error", "not finished", "passed", "skipped", "not started")
+EXIT_OK, EXIT_FAILED, EXIT_NO_GPU, EXIT_NOT_FINISHED = 0, 1, 2, 3
+KILLED = -9  # run_pytest's return code for a pass stopped at the time limit
+# A notebook's line that says a part of it did not run (course convention: "skipped: ..."
+# or "SKIPPED: ...", at the start of a printed line).
+SKIP_LINE = re.compile(r"^\s*(?:skipped|SKIPPED)\b.*$", re.MULTILINE)
 
 Runner = Callable[[Sequence[str], Mapping[str, str], float], int]
 
@@ -196,6 +217,17 @@ def pytest_configure(config: pytest.Config) -> None:
         )
 
 
+def skip_lines(outputs: Iterable[Mapping] | None) -> list[str]:
+    """The lines of a cell's outputs (nbformat output dicts: streams, ``text/plain``) that
+    start with ``skipped`` or ``SKIPPED`` (:data:`SKIP_LINE`), stripped."""
+    found = []
+    for out in outputs or ():
+        text = out.get("text") or out.get("data", {}).get("text/plain") or ""
+        text = "".join(text) if isinstance(text, list) else str(text)
+        found += [m.group(0).strip() for m in SKIP_LINE.finditer(text)]
+    return found
+
+
 class _Plugin:
     def __init__(self, reports: str | None, deadline: float | None):
         self.reports = pathlib.Path(reports) if reports else None
@@ -211,6 +243,16 @@ class _Plugin:
         if time.time() > self.deadline:
             pytest.skip(NOT_STARTED)
         self.started.add(name)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo):
+        outcome = yield
+        report = outcome.get_result()
+        if call.when == "call":
+            # nbval keeps what a cell printed in item.test_outputs (None for other tests).
+            lines = skip_lines(getattr(item, "test_outputs", None))
+            if lines:
+                report.user_properties.append(("skip_lines", lines))
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self._write(report_record(report))
@@ -229,8 +271,9 @@ class _Plugin:
 
 def report_record(report: pytest.TestReport) -> dict:
     """One phase of one test as a JSON-ready dict: ``nodeid``, ``when`` (setup, call,
-    teardown), ``outcome`` (passed, failed, skipped), ``seconds`` and ``detail`` (the
-    skip reason, or the last line of the failure)."""
+    teardown), ``outcome`` (passed, failed, skipped), ``seconds``, ``detail`` (the skip
+    reason, or the last line of the failure) and ``skip_lines`` (a notebook cell's printed
+    skip lines, see :func:`skip_lines`)."""
     detail = ""
     if report.skipped and isinstance(report.longrepr, tuple):
         detail = str(report.longrepr[2]).removeprefix("Skipped: ")
@@ -240,8 +283,9 @@ def report_record(report: pytest.TestReport) -> dict:
         crash = getattr(report.longrepr, "reprcrash", None)
         text = crash.message if crash is not None else ""
         detail = text.splitlines()[0][:300] if text.strip() else _last_line(report.longreprtext)
+    lines = dict(report.user_properties).get("skip_lines", [])
     return {"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome,
-            "seconds": report.duration, "detail": detail}  # fmt: skip
+            "seconds": report.duration, "detail": detail, "skip_lines": list(lines)}  # fmt: skip
 
 
 def _last_line(text: str) -> str:
@@ -267,17 +311,18 @@ def _test_outcome(phases: Sequence[Mapping]) -> tuple[str, str]:
         if p["outcome"] == "skipped":
             return ("not started" if p["detail"] == NOT_STARTED else "skipped"), p["detail"]
     if not any(p["when"] == "call" for p in phases):
-        return "unfinished", "stopped at gpu-check's time limit"
+        return "not finished", NOT_FINISHED
     return "passed", ""
 
 
 def collect_checks(records: Iterable[Mapping]) -> list[dict]:
     """Reports (:func:`report_record` dicts) -> one row per check, in the order they ran.
 
-    A test's outcome comes from its phases (a failure in ``call`` is ``failed``, in
-    set-up or tear-down ``error``; set up but never called is ``unfinished``); a check's
-    is the worst of its tests' in :data:`OUTCOMES` order, its seconds their sum, its
-    detail that of the first test with that outcome.
+    A test's outcome comes from its phases (a failure in ``call`` is ``failed``, in set-up
+    or tear-down ``error``; set up but never called is ``not finished``); a check's is the
+    worst of its tests' in :data:`OUTCOMES` order, its seconds their sum, its detail that of
+    the first test with that outcome. ``skips`` counts the skip lines its cells printed; a
+    check that passed with skip lines is ``skipped``, its detail the count and the first.
     """
     tests: dict[str, list[Mapping]] = {}
     for r in records:
@@ -285,14 +330,24 @@ def collect_checks(records: Iterable[Mapping]) -> list[dict]:
     checks: dict[str, dict] = {}
     for nodeid, phases in tests.items():
         outcome, detail = _test_outcome(phases)
-        seconds = sum(p["seconds"] for p in phases)
         row = checks.setdefault(check_name(nodeid), {"outcome": None, "seconds": 0.0,
-                                                     "detail": ""})  # fmt: skip
-        row["seconds"] += seconds
+                                                     "lines": [], "detail": ""})  # fmt: skip
+        row["seconds"] += sum(p["seconds"] for p in phases)
+        row["lines"] += [line for p in phases for line in p.get("skip_lines", [])]
         if row["outcome"] is None or OUTCOMES.index(outcome) < OUTCOMES.index(row["outcome"]):
             row["outcome"], row["detail"] = outcome, detail
-    return [{"check": name, **row, "seconds": round(row["seconds"], 3)}
-            for name, row in checks.items()]  # fmt: skip
+    rows = []
+    for name, row in checks.items():
+        lines = row.pop("lines")
+        if row["outcome"] == "passed" and lines:
+            parts = "part" if len(lines) == 1 else "parts"
+            row["outcome"], row["detail"] = (
+                "skipped",
+                f"ran; {len(lines)} {parts} skipped: {lines[0]}",
+            )
+        rows.append({"check": name, **row, "seconds": round(row["seconds"], 3),
+                     "skips": len(lines)})  # fmt: skip
+    return rows
 
 
 def read_records(path: pathlib.Path) -> list[dict]:
@@ -313,42 +368,68 @@ def totals(checks: Sequence[Mapping]) -> dict[str, int]:
     return {o: sum(c["outcome"] == o for c in checks) for o in OUTCOMES}
 
 
+def totals_by_part(checks: Sequence[Mapping]) -> dict[str, dict[str, int]]:
+    """:func:`totals` of each part of :data:`~ddp_course.harness.gpu_plan.PARTS`."""
+    return {part: totals([c for c in checks if c["part"] == part]) for part in PARTS}
+
+
 # pytest's exit codes that say nothing beyond the tests' own reports: all passed,
 # some failed, none collected (https://docs.pytest.org/en/stable/reference/exit-codes.html).
 _PYTEST_OK_CODES = (0, 1, 5)
 
 
 def broken_passes(passes: Sequence[Mapping]) -> list[Mapping]:
-    """Passes that ended otherwise than pytest does after running its tests: interrupted,
-    an internal or usage error, killed at the time limit (-9)."""
+    """Passes that ended otherwise than pytest does after running its tests (interrupted,
+    an internal or usage error), not counting those stopped at the time limit
+    (:data:`KILLED`) or never started (``None``)."""
     return [p for p in passes
-            if p["returncode"] is not None and p["returncode"] not in _PYTEST_OK_CODES]  # fmt: skip
+            if p["returncode"] not in (None, KILLED, *_PYTEST_OK_CODES)]  # fmt: skip
 
 
 def exit_status(checks: Sequence[Mapping], passes: Sequence[Mapping] = ()) -> int:
-    """0, 1 or 3 (see the module docstring) from the checks' outcomes and the passes'
-    exit codes: a broken pass (see :func:`broken_passes`) fails the run, a pass never
-    started (``returncode`` None) leaves checks out like a ``not started`` check."""
+    """0, 1 or 3 (see the module docstring) from the checks and passes of parts A and B
+    (a row without ``part`` counts as A); part C never changes it."""
+    checks = [c for c in checks if c.get("part", "A") != "C"]
+    passes = [p for p in passes if p.get("part", "A") != "C"]
     count = totals(checks)
-    if count["failed"] or count["error"] or count["unfinished"] or broken_passes(passes):
+    if count["failed"] or count["error"] or broken_passes(passes):
         return EXIT_FAILED
-    left_out = count["not started"] or any(p["returncode"] is None for p in passes)
-    return EXIT_NOT_STARTED if left_out else EXIT_OK
+    left_out = count["not started"] or count["not finished"]
+    if left_out or any(p["returncode"] in (None, KILLED) for p in passes):
+        return EXIT_NOT_FINISHED
+    return EXIT_OK
 
 
 def format_table(checks: Sequence[Mapping], wall_s: float | None = None) -> str:
-    """The summary table: ``check  outcome  seconds  detail``, one line a check, failures
-    in capitals, then a totals line (``3 passed, 1 failed, ... in 312 s``)."""
+    """The summary table: ``part  check  outcome  seconds  detail``, one line a check,
+    failures in capitals, then one totals line per part that has checks
+    (``A: 3 passed, 1 failed``) and the wall time."""
     width = max([len("check"), *(len(c["check"]) for c in checks)])
-    lines = [f"{'check':<{width}}  {'outcome':<11}  {'seconds':>7}  detail"]
+    lines = [f"part  {'check':<{width}}  {'outcome':<12}  {'seconds':>7}  detail"]
     for c in checks:
         shown = c["outcome"].upper() if c["outcome"] in OUTCOMES[:3] else c["outcome"]
-        lines.append(f"{c['check']:<{width}}  {shown:<11}  {c['seconds']:7.1f}  "
-                     f"{c['detail'][:120]}".rstrip())  # fmt: skip
-    count = totals(checks)
-    line = ", ".join(f"{n} {o}" for o, n in count.items() if n) or "no checks ran"
-    lines.append(line + (f" in {wall_s:.0f} s" if wall_s is not None else ""))
+        lines.append(f"{c.get('part', 'A'):<4}  {c['check']:<{width}}  {shown:<12}  "
+                     f"{c['seconds']:7.1f}  {c['detail'][:120]}".rstrip())  # fmt: skip
+    for part in PARTS:
+        count = totals([c for c in checks if c.get("part", "A") == part])
+        if any(count.values()):
+            lines.append(f"{part}: " + ", ".join(f"{n} {o}" for o, n in count.items() if n))
+    if not checks:
+        lines.append("no checks ran")
+    if wall_s is not None:
+        lines.append(f"in {wall_s:.0f} s")
     return "\n".join(lines)
+
+
+def world_size_1_report(gpus: int, checks: Sequence[Mapping]) -> dict | None:
+    """On one GPU: the multi-rank nccl paths one GPU cannot exercise, and the GPU tests
+    skipped for that reason (skip reasons starting with
+    :data:`~ddp_course.harness.gpu_plan.WORLD_SIZE_1`); None with 2 or more GPUs."""
+    if gpus != 1:
+        return None
+    tests = [c["check"] for c in checks
+             if c["outcome"] == "skipped" and c["detail"].startswith(WORLD_SIZE_1)]  # fmt: skip
+    return {"paths": list(WORLD_SIZE_1_PATHS), "tests": tests}
 
 
 def write_summary(
@@ -361,18 +442,23 @@ def write_summary(
     passes: Sequence[Mapping],
     checks: Sequence[Mapping],
     results: Sequence[str],
+    plan: Plan | None = None,
     utc: str | None = None,
 ) -> pathlib.Path:
     """Write ``folder/gpu_check.json`` in the shape of the module docstring; its path."""
+    gpus = machine.get("gpu_count", 0)
     summary = {
         "command": command,
         "utc": utc or datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "budget_s": budget_s,
         "wall_s": round(wall_s, 1),
+        "gpus": gpus,
         "machine": dict(machine),
+        "plan": [dataclasses.asdict(s) for s in plan.steps] if plan is not None else [],
         "passes": list(passes),
         "checks": list(checks),
-        "totals": totals(checks),
+        "totals": totals_by_part(checks),
+        "world_size_1": world_size_1_report(gpus, checks),
         "results": sorted(results),
     }
     folder.mkdir(parents=True, exist_ok=True)
@@ -381,10 +467,25 @@ def write_summary(
     return path
 
 
+def result_name(path: pathlib.Path) -> str:
+    """The name a results file keeps next to the summary: its own, with ``-world-size-1``
+    before ``.json`` when the record's world size (``world_size`` or ``meta.world_size``)
+    is 1, so a one-rank "nccl" record never reads as a multi-GPU one."""
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return path.name
+    if not isinstance(data, dict):
+        return path.name
+    meta = data.get("meta")
+    size = data.get("world_size", meta.get("world_size") if isinstance(meta, dict) else None)
+    return f"{path.stem}-world-size-1.json" if size == 1 else path.name
+
+
 def keep_results(source: pathlib.Path, folder: pathlib.Path) -> list[str]:
-    """Copy the ``*.json`` files the GPU tests wrote in ``source`` into ``folder`` after
-    removing those the previous summary there listed (so no stale result is left
-    beside a new summary); the names copied."""
+    """Copy the ``*.json`` files the GPU tests wrote in ``source`` into ``folder`` (named by
+    :func:`result_name`) after removing those the previous summary there listed (so no
+    stale result is left beside a new summary); the names kept."""
     old = folder / SUMMARY_NAME
     if old.exists():
         try:
@@ -399,30 +500,13 @@ def keep_results(source: pathlib.Path, folder: pathlib.Path) -> list[str]:
     names = []
     for path in sorted(source.glob("*.json")):
         if path.name != SUMMARY_NAME:
-            shutil.copyfile(path, folder / path.name)
-            names.append(path.name)
+            name = result_name(path)
+            shutil.copyfile(path, folder / name)
+            names.append(name)
     return names
 
 
 # ---------------------------------------------------------------- running
-
-
-def check_passes(notebooks: bool = True) -> list[tuple[str, list[str]]]:
-    """``(what, pytest arguments)`` of each pass, run from the repository root (the
-    plugin's options come on top, see :func:`plugin_args`)."""
-    # One notebook that cannot be collected must not stop the others.
-    go_on = "--continue-on-collection-errors"
-    passes = [("GPU tests", [go_on, "tests/gpu/test_gpu.py"])]
-    if notebooks:
-        # tests/gpu/test_gpu.py is named only so that pytest loads tests/conftest.py, which
-        # marks the notebooks serial; --deselect keeps its tests out of these passes.
-        nb = ["tests/gpu/test_gpu.py", "notebooks", "--deselect", "tests/gpu/test_gpu.py"]
-        passes += [
-            ("notebooks beside others", [go_on, "-n", "2", "--dist", "loadfile",
-                                         "-m", "not serial", *nb]),
-            ("notebooks one at a time", [go_on, "-m", "serial", *nb]),
-        ]  # fmt: skip
-    return passes
 
 
 def plugin_args(reports: pathlib.Path, deadline: float) -> list[str]:
@@ -430,6 +514,13 @@ def plugin_args(reports: pathlib.Path, deadline: float) -> list[str]:
     starting no check after ``deadline`` (``time.time()``)."""
     return ["-p", "ddp_course.harness.gpu_check", f"--gpu-check-reports={reports}",
             f"--gpu-check-deadline={deadline:.3f}"]  # fmt: skip
+
+
+def pass_args(check: str) -> list[str]:
+    """pytest arguments of one step of the plan (a GPU test file or a notebook), run from
+    the repository root; the plugin's options come on top (see :func:`plugin_args`)."""
+    # A file that cannot be collected is reported as an error row, not a stopped pass.
+    return ["--continue-on-collection-errors", check]
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:
@@ -451,7 +542,7 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 
 def run_pytest(args: Sequence[str], env: Mapping[str, str], timeout_s: float) -> int:
     """``python -m pytest *args`` in the repository root, its output on this terminal;
-    killed with everything it started after ``timeout_s`` seconds (returns -9 then)."""
+    killed with everything it started after ``timeout_s`` seconds (returns :data:`KILLED`)."""
     proc = subprocess.Popen([sys.executable, "-m", "pytest", *args], cwd=ROOT, env=dict(env),
                             start_new_session=True)  # fmt: skip
     try:
@@ -460,28 +551,101 @@ def run_pytest(args: Sequence[str], env: Mapping[str, str], timeout_s: float) ->
         print(f"gpu-check: the pass ran past the time limit; stopping it ({timeout_s:.0f} s)",
               flush=True)  # fmt: skip
         _kill_tree(proc)
-        return -9
+        return KILLED
     finally:
         if proc.poll() is None:
             _kill_tree(proc)
 
 
+def _row(part: str, check: str, outcome: str, detail: str) -> dict:
+    return {"part": part, "check": check, "outcome": outcome, "seconds": 0.0, "skips": 0,
+            "detail": detail}  # fmt: skip
+
+
+def run_plan(
+    plan: Plan,
+    runner: Runner,
+    env: Mapping[str, str],
+    reports: pathlib.Path,
+    start: float,
+    notebooks: bool = True,
+) -> tuple[list[dict], list[dict]]:
+    """Run the plan's steps in order; ``(passes, checks)``, every check with its ``part``.
+
+    A GPU test file starts whatever its estimate while there is time before the budget (its
+    tests stop starting at the budget), else it is one row ``not started``;
+    a notebook of B starts only if its estimate fits the time left before the budget,
+    else it is ``not started``; one of C the same way, and only with ``plan.run_all`` or
+    time left, else ``skipped`` (:func:`~ddp_course.harness.gpu_plan.c_reason`). Every pass
+    is stopped :data:`GRACE_S` after the budget. A pass that left no report of a check it
+    began is a row ``not finished`` (stopped) or ``error`` (any other exit).
+    """
+    deadline, hard = start + plan.budget_s, start + plan.budget_s + GRACE_S
+    passes: list[dict] = []
+    rows: list[dict] = []
+    for step in plan.steps:
+        if step.part != "A" and not notebooks:
+            continue
+        left = deadline - time.time()
+        if step.part == "A" and left <= 0:  # each of its tests would be skipped unstarted
+            rows.append(_row("A", step.check, "not started", NOT_STARTED))
+            continue
+        if step.part != "A" and step.estimate_s > left:
+            if step.part == "C" and not plan.run_all:
+                rows.append(_row("C", step.check, "skipped", c_reason(plan.gpus)))
+            else:
+                why = f"{NOT_STARTED}: needs ~{step.estimate_s:.0f} s, {max(left, 0):.0f} s left"
+                rows.append(_row(step.part, step.check, "not started", why))
+            continue
+        args = pass_args(step.check)
+        shown = shlex.join(["python", "-m", "pytest", *args])
+        print(f"\ngpu-check: part {step.part}: {shown} (estimate ~{step.estimate_s:.0f} s)",
+              flush=True)  # fmt: skip
+        before = len(read_records(reports))
+        t0 = time.time()
+        code = runner([*plugin_args(reports, deadline), *args], env, hard - time.time())
+        passes.append({"part": step.part, "what": step.check, "command": shown,
+                       "returncode": code, "seconds": round(time.time() - t0, 1)})  # fmt: skip
+        found = collect_checks(read_records(reports)[before:])
+        rows += [{"part": step.part, **c} for c in found]
+        if not found:
+            outcome = "not finished" if code == KILLED else "error"
+            detail = NOT_FINISHED if code == KILLED else f"pytest exit code {code}, no report"
+            rows.append(_row(step.part, step.check, outcome, detail))
+    return passes, rows
+
+
+def dry_run(counts: Sequence[int] = PLAN_GPU_COUNTS, budget_s: float | None = None,
+            run_all: bool = False) -> int:  # fmt: skip
+    """Print the plan for each GPU count in ``counts`` and run nothing; returns 0. Needs no
+    GPU (the plans come from the notebooks' and tests' source)."""
+    for i, n in enumerate(counts):
+        print(("\n" if i else "") + format_plan(make_plan(n, budget_s, run_all=run_all)))
+    print("\ndry run: nothing was run. Exit status of a real run: 0 every check of A and B "
+          "ran and passed; 1 a real failure; 2 no GPU; 3 a check of A or B not started or "
+          "not finished (part C never changes it).")  # fmt: skip
+    return EXIT_OK
+
+
 def gpu_check(
-    budget_s: float = BUDGET_S,
+    budget_s: float | None = None,
     out: pathlib.Path | None = None,
     notebooks: bool = True,
     runner: Runner = run_pytest,
     command: str = "python -m ddp_course gpu-check",
+    run_all: bool = False,
 ) -> int:
-    """Run the checks, write the summary and print the table; the exit status.
+    """Print the plan, run it, write the summary and print the table; the exit status.
 
     Args:
-        budget_s: seconds after which no new check starts; every pass is killed
-            :data:`GRACE_S` seconds later.
+        budget_s: seconds after which no new check starts (default
+            :func:`~ddp_course.harness.gpu_plan.default_budget` of the GPU count);
+            whatever runs is stopped :data:`GRACE_S` seconds later.
         out: the results folder; default ``benchmarks/<folder_name(GPUs)>``.
-        notebooks: also run every notebook (passes 2 and 3).
+        notebooks: also run the notebooks (parts B and C); False runs part A only.
         runner: runs one pass (``run_pytest``; tests pass a fake).
         command: the command line recorded in the summary.
+        run_all: run part C whatever the time.
 
     Returns:
         :data:`EXIT_NO_GPU` without a GPU (one line printed, nothing run), else
@@ -489,55 +653,45 @@ def gpu_check(
     """
     from .. import runtime
 
-    if runtime.gpu_count() == 0:
+    gpus = runtime.gpu_count()
+    if gpus == 0:
         print(no_gpu_message(), flush=True)
         return EXIT_NO_GPU
+    plan = make_plan(gpus, budget_s, run_all=run_all)
     start = time.time()
-    deadline, hard = start + budget_s, start + budget_s + GRACE_S
     machine = machine_info()
     folder = out if out is not None else ROOT / "benchmarks" / folder_name(
         [g["name"] for g in machine["gpus"]]
     )  # fmt: skip
     names = ", ".join(g["name"] for g in machine["gpus"])
-    print(f"gpu-check: {machine['gpu_count']} GPU(s) ({names}); torch {machine['torch']}, "
-          f"CUDA {machine['cuda']}; no new check after {budget_s:.0f} s; summary in "
-          f"{_shown(folder)}", flush=True)  # fmt: skip
+    print(f"gpu-check: {gpus} GPU(s) ({names}); torch {machine['torch']}, CUDA "
+          f"{machine['cuda']}; summary in {_shown(folder)}", flush=True)  # fmt: skip
+    print(format_plan(plan), flush=True)
     with tempfile.TemporaryDirectory(prefix="ddp_course_gpu_check_") as tmp:
         reports, results = pathlib.Path(tmp, "reports.jsonl"), pathlib.Path(tmp, "results")
         results.mkdir()
         # The launcher's device plan decides, not a DDP_COURSE_DEVICE left in the shell.
         env = {k: v for k, v in os.environ.items() if k != runtime.DEVICE_ENV}
         env[RESULTS_ENV] = str(results)
-        passes = []
-        for what, args in check_passes(notebooks):
-            shown = shlex.join(["python", "-m", "pytest", *args])
-            left = hard - time.time()
-            if left <= 0:  # its checks would all be "not started"; say so in the passes
-                passes.append({"what": what, "command": shown, "returncode": None,
-                               "seconds": 0.0})  # fmt: skip
-                continue
-            print(f"\ngpu-check: {what}: {shown}", flush=True)
-            t0 = time.time()
-            code = runner([*plugin_args(reports, deadline), *args], env, left)
-            passes.append({"what": what, "command": shown, "returncode": code,
-                           "seconds": round(time.time() - t0, 1)})  # fmt: skip
-        checks = collect_checks(read_records(reports))
+        passes, checks = run_plan(plan, runner, env, reports, start, notebooks)
         kept = keep_results(results, folder)
     wall_s = time.time() - start
-    path = write_summary(folder, command=command, budget_s=budget_s, wall_s=wall_s,
-                         machine=machine, passes=passes, checks=checks, results=kept)  # fmt: skip
+    path = write_summary(folder, command=command, budget_s=plan.budget_s, wall_s=wall_s,
+                         machine=machine, passes=passes, checks=checks, results=kept,
+                         plan=plan)  # fmt: skip
     print("\n" + format_table(checks, wall_s))
     print(f"summary: {_shown(path)}" + (f" with {len(kept)} result file(s)" if kept else ""))
     for p in broken_passes(passes):
         print(f"the pass '{p['what']}' ended with pytest's exit code {p['returncode']}: "
-              "see its output above; checks it had not begun are not listed")  # fmt: skip
-    for p in passes:
-        if p["returncode"] is None:
-            print(f"the pass '{p['what']}' was not started: the time limit was reached")
+              "see its output above")  # fmt: skip
+    ws1 = world_size_1_report(gpus, checks)
+    if ws1 is not None:
+        print("world size 1: one GPU could not exercise these multi-rank nccl paths: "
+              + "; ".join(ws1["paths"]))  # fmt: skip
     status = exit_status(checks, passes)
-    if status == EXIT_NOT_STARTED:
-        print(f"{totals(checks)['not started']} check(s) not started: the budget of "
-              f"{budget_s:.0f} s was spent (--budget-s gives more)")  # fmt: skip
+    if status == EXIT_NOT_FINISHED:
+        print(f"exit 3: a check of A or B was not started or not finished within the budget "
+              f"of {plan.budget_s:.0f} s (--budget-s gives more; see the plan above)")  # fmt: skip
     return status
 
 

@@ -10,6 +10,18 @@ next to its summary in ``benchmarks/gpu-<GPU name>/``; without that variable not
 kept. Settings are tiny: the whole file takes a few minutes on one GPU, mostly process
 start-up. The nccl jobs run one rank per GPU, at most :data:`MAX_RANKS`.
 
+With one GPU every nccl job has world size 1: an all-reduce is a local copy, busbw is 0
+by definition, SyncBatchNorm is BatchNorm, a pipeline has one stage, FSDP2 shards nothing.
+The tests that check those multi-rank paths are therefore skipped there, each with a reason
+that starts with "world size 1" and names what was not exercised; gpu-check lists them in
+its summary, and names the result files of world size 1 ``*-world-size-1.json``.
+
+With one GPU every nccl job has world size 1: an all-reduce is a local copy, busbw is 0
+by definition, SyncBatchNorm is BatchNorm, a pipeline has one stage, FSDP2 shards nothing.
+The tests that check those multi-rank paths are therefore skipped there, each with a reason
+that starts with "world size 1" and names what was not exercised; gpu-check lists them in
+its summary, and names the result files of world size 1 ``*-world-size-1.json``.
+
 Marked serial: the jobs use every GPU, and two tests read clocks.
 """
 
@@ -18,7 +30,7 @@ import pathlib
 
 import pytest
 import torch
-from gpu_support import GPUS, RANKS, keep, needs_2_gpus, needs_gpu, run
+from gpu_support import GPUS, RANKS, keep, needs_gpu, run, world_size_1
 from torch import nn
 from torch.nn.functional import cross_entropy
 
@@ -32,15 +44,27 @@ pytestmark = pytest.mark.serial
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
+@pytest.fixture(scope="module")
+def hello():
+    """00_hello_ranks.py with one rank per GPU: an all_reduce of the ranks over nccl."""
+    r = run(ROOT, "00_hello_ranks.py")
+    keep("00_hello_ranks", r)
+    return r
+
+
 # ---------------------------------------------------------------- nccl and the fallback
 
 
 @needs_gpu
-def test_nccl_with_one_rank_per_gpu(root):
-    r = run(root, "00_hello_ranks.py")
-    keep("00_hello_ranks", r)
-    assert (r["backend"], r["world_size"]) == ("nccl", RANKS)
-    assert r["sum"] == RANKS * (RANKS + 1) // 2  # an all_reduce over nccl
+def test_nccl_with_one_rank_per_gpu(hello):
+    assert (hello["backend"], hello["world_size"]) == ("nccl", RANKS)
+    assert hello["sum"] == RANKS * (RANKS + 1) // 2  # an all_reduce over nccl
+
+
+@needs_gpu
+@world_size_1("all_reduce between GPUs (with one rank it is a local copy)")
+def test_nccl_all_reduce_sums_over_several_gpus(hello):
+    assert hello["world_size"] >= 2 and hello["sum"] == RANKS * (RANKS + 1) // 2
 
 
 @needs_gpu
@@ -85,10 +109,17 @@ def test_autocast_and_grad_scaler_train_on_gpus(root):
     assert v["fp16 hook"]["bytes_per_step"] * 2 == v["float32"]["bytes_per_step"]
 
 
-@needs_gpu
-def test_sync_batchnorm_on_gpus(root):
-    r = run(root, "07_sync_batchnorm.py")
+@pytest.fixture(scope="module")
+def sync_batchnorm():
+    """07_sync_batchnorm.py with one rank per GPU."""
+    r = run(ROOT, "07_sync_batchnorm.py")
     keep("07_sync_batchnorm", r)
+    return r
+
+
+@needs_gpu
+def test_sync_batchnorm_on_gpus(sync_batchnorm):
+    r = sync_batchnorm
     assert r["world_size"] == RANKS
     # torch's nn.SyncBatchNorm runs on CUDA only; the script compares it with BatchNorm
     # on the global batch there (with one GPU it is plain BatchNorm: nothing to sync).
@@ -96,14 +127,36 @@ def test_sync_batchnorm_on_gpus(root):
     assert max(r["sync_diffs"].values()) <= 1e-4
 
 
+@needs_gpu
+@world_size_1("SyncBatchNorm's statistics exchange (one rank is plain BatchNorm)")
+def test_sync_batchnorm_exchanges_statistics_between_gpus(sync_batchnorm):
+    assert sync_batchnorm["world_size"] >= 2
+    assert sync_batchnorm["torch_sync_batchnorm"] == "equal to BatchNorm on the global batch"
+
+
 # ---------------------------------------------------------------- lesson 08
 
 
-@needs_gpu
-def test_pipeline_script_on_gpus(root):
+@pytest.fixture(scope="module")
+def pipeline_run():
+    """08_pipeline.py with one stage per GPU, every schedule."""
     args = ["--stage-cost-s", "0", "--microbatches", str(RANKS), "--batch-size", "32"]
-    r = run(root, "08_pipeline.py", args)
+    r = run(ROOT, "08_pipeline.py", args)
     keep("08_pipeline", r)
+    return r
+
+
+@needs_gpu
+@world_size_1("point-to-point sends of activations and gradients between pipeline stages")
+def test_pipeline_stages_on_several_gpus_all_work(pipeline_run):
+    assert pipeline_run["world_size"] >= 2
+    for one in pipeline_run["runs"]:
+        assert {e["rank"] for e in one["timeline"]} == set(range(RANKS)), one["schedule"]
+
+
+@needs_gpu
+def test_pipeline_script_on_gpus(pipeline_run):
+    r = pipeline_run
     assert r["device"].startswith("cuda") and r["world_size"] == RANKS
     assert {run["schedule"] for run in r["runs"]} == set(pipeline.SCHEDULES)
     for one in r["runs"]:
@@ -141,7 +194,16 @@ def test_fsdp2_on_gpus(fsdp):
     assert r["reload"]["world_size"] == RANKS
 
 
-@needs_2_gpus
+@needs_gpu
+@world_size_1("FSDP2's sharding of parameters between GPUs (one rank holds them all)")
+def test_fsdp2_shards_over_several_gpus(fsdp):
+    r, _ = fsdp
+    assert r["world_size"] >= 2
+    assert all(len(per_rank) == RANKS for per_rank in r["variants"].values())
+
+
+@needs_gpu
+@world_size_1("a sharded checkpoint loaded on fewer GPUs than saved it")
 def test_fsdp2_checkpoint_loads_on_fewer_gpus(root, fsdp):
     _, folder = fsdp
     r = run(root, "09_fsdp.py", ["--hidden", "32", "--resume", str(folder)], nproc=RANKS - 1)
@@ -153,12 +215,27 @@ def test_fsdp2_checkpoint_loads_on_fewer_gpus(root, fsdp):
 # ---------------------------------------------------------------- lesson 10
 
 
-@needs_gpu
-def test_benchmark_nccl_sweep(root):
+@pytest.fixture(scope="module")
+def sweep():
+    """10_benchmark.py's collectives sweep with one rank per GPU."""
     args = ["collectives", "--min-bytes", "4096", "--max-bytes", str(16 * 2**20),
             "--warmup", "2", "--repeats", "5", "--no-progress"]  # fmt: skip
-    r = run(root, "10_benchmark.py", args)
+    r = run(ROOT, "10_benchmark.py", args)
     keep("10_benchmark_collectives", r)
+    return r
+
+
+@needs_gpu
+@world_size_1("busbw between GPUs (0 by definition for every collective but broadcast)")
+def test_benchmark_busbw_is_measured_between_gpus(sweep):
+    assert sweep["meta"]["world_size"] >= 2
+    all_reduce = [row for row in sweep["rows"] if row["collective"] == "all_reduce"]
+    assert all_reduce and all(row["busbw_GBps"] > 0 for row in all_reduce)
+
+
+@needs_gpu
+def test_benchmark_nccl_sweep(sweep):
+    r = sweep
     meta, rows = r["meta"], r["rows"]
     assert (meta["backend"], meta["world_size"]) == ("nccl", RANKS)
     assert meta["device"].startswith("cuda") and meta["gpu"]

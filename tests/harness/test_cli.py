@@ -79,3 +79,40 @@ def test_stored_outputs_hold_no_still_running_lines(tmp_path, monkeypatch):
     nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(code)]), path)
     assert main(["execute", str(path)]) == 0
     assert nbformat.read(path, as_version=4).cells[0].outputs[0]["text"] == "0\n"
+
+
+# ---------------------------------------------------------------- gpu-check's arguments
+
+
+def test_gpu_check_arguments_reach_the_run(monkeypatch):
+    from ddp_course.harness import gpu_check
+
+    calls = []
+    monkeypatch.setattr(gpu_check, "gpu_check", lambda *a, **k: calls.append((a, k)) or 3)
+    monkeypatch.setattr(gpu_check, "dry_run", lambda *a: calls.append(a) or 0)
+    assert main(["gpu-check", "--budget-s", "900", "--all", "--no-notebooks"]) == 3
+    (args, kwargs) = calls.pop()
+    assert args[0] == 900 and args[2] is False and kwargs["run_all"] is True
+    assert kwargs["command"] == (
+        "python -m ddp_course gpu-check --budget-s 900 --no-notebooks --all"
+    )
+    assert main(["gpu-check"]) == 3
+    (args, kwargs) = calls.pop()
+    assert args[0] is None and kwargs["command"] == "python -m ddp_course gpu-check"
+    assert main(["gpu-check", "--dry-run"]) == 0
+    assert calls.pop() == ((1, 2, 4), None, False)
+    assert main(["gpu-check", "--dry-run", "--gpus", "4", "--budget-s", "60", "--all"]) == 0
+    assert calls.pop() == ((4,), 60, True)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["gpu-check", "--gpus", "2"], "--gpus only goes with --dry-run"),
+        (["gpu-check", "--dry-run", "--gpus", "0"], "must be at least 1"),
+    ],
+)
+def test_gpu_check_refuses_a_gpu_count_it_cannot_use(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err

@@ -1,15 +1,13 @@
 """The course's device rule: CUDA and nccl only when every local rank has its own GPU,
 otherwise CPU and gloo; applied by the launcher and honoured by every worker."""
 
-import ast
-import json
 import pathlib
 
 import pytest
 import torch
 
 from ddp_course import runtime
-from ddp_course.harness import launch
+from ddp_course.harness import launch, launch_scan, multinode
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -82,128 +80,58 @@ def test_distributed_honours_the_plan_in_the_environment(monkeypatch):
         runtime.pick_device(0)
 
 
-# --- every launch in the notebooks gets a runnable plan on a 1- and a 2-GPU machine ---
+# --- every launch in the notebooks gets a runnable plan on a 0-, 1-, 2- and 4-GPU machine ---
+# The scan (ddp_course.harness.launch_scan) reads every way a notebook starts ranks:
+# launch.torchrun, multinode.torchrun_nodes, launch.python and torch.cuda in its own kernel.
+
+LAUNCHES = launch_scan.scan(ROOT / "notebooks")
 
 
-def _code(cell: dict) -> str:
-    # IPython magics and shell lines are not Python; a %%writefile cell is a script.
-    lines = "".join(cell["source"]).splitlines()
-    if lines and lines[0].startswith("%%"):
-        return ""
-    return "\n".join(line for line in lines if not line.lstrip().startswith(("%", "!")))
+def test_the_scan_finds_every_kind_of_launch_in_the_lessons():
+    found = {(x.notebook, x.kind) for x in LAUNCHES}
+    assert {("00_course_setup.ipynb", "torchrun"), ("05_ddp.ipynb", "torchrun")} <= found
+    assert ("11_multinode.ipynb", "torchrun_nodes") in found
+    assert ("01_training_loop.ipynb", "python") in found
+    assert ("14_activation_memory.ipynb", "torch.cuda") in found
+    assert {n for x in LAUNCHES for n in x.nproc} >= {1, 2, 4}
+    # GPU-only cells sized from the machine (one rank per GPU) and behind `if gpus ...`.
+    sized = [x for x in LAUNCHES if x.per_gpu is not None]
+    assert {x.notebook for x in sized} >= {"05_ddp.ipynb", "10_benchmarking.ipynb"}
+    assert all(x.guards for x in sized)
 
 
-def _int_values(node: ast.AST, bindings: dict[str, list[ast.AST]], depth: int = 0) -> set[int]:
-    """The integers an expression can take, following names bound in the notebook
-    (every binding of a name anywhere in it: more values than run, never fewer)."""
-    if depth > 5:
-        return set()
-    if isinstance(node, ast.Constant) and isinstance(node.value, int):
-        return {node.value}
-    if isinstance(node, ast.Tuple | ast.List | ast.Set):
-        return set().union(*(_int_values(e, bindings, depth + 1) for e in node.elts))
-    if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "range":
-        try:
-            return set(range(*(ast.literal_eval(a) for a in node.args)))
-        except ValueError:
-            return set()
-    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add | ast.Mult):
-        # ``2 * NPROC_PER_NODE``: every combination of the two sides' values.
-        left = _int_values(node.left, bindings, depth + 1)
-        right = _int_values(node.right, bindings, depth + 1)
-        combine = (lambda a, b: a + b) if isinstance(node.op, ast.Add) else (lambda a, b: a * b)
-        return {combine(a, b) for a in left for b in right}
-    if isinstance(node, ast.Name):
-        found = set()
-        for value in bindings.get(node.id, []):
-            found |= _int_values(value, bindings, depth + 1)
-        return found
-    return set()
+def test_simulated_nodes_always_run_on_their_own_device():
+    nodes = [x for x in LAUNCHES if x.kind == "torchrun_nodes"]
+    assert len(nodes) >= 5
+    for gpus in (0, 1, 2, 4):
+        assert {t for x in nodes for t in x.device_types(gpus)} == {
+            multinode.SIMULATED_NODES_DEVICE
+        }
 
 
-def _bindings(tree: ast.AST) -> dict[str, list[ast.AST]]:
-    """Every expression bound to a name: assignments, loop and comprehension
-    variables, and keyword arguments of the notebook's own functions
-    (``short_run(nproc=1)`` binds ``short_run``'s parameter ``nproc``)."""
-    bound: dict[str, list[ast.AST]] = {}
-    params = {
-        node.name: {a.arg for a in node.args.args + node.args.kwonlyargs}
-        for node in ast.walk(tree)
-        if isinstance(node, ast.FunctionDef)
-    }
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Assign):
-            for target in node.targets:
-                if isinstance(target, ast.Name):
-                    bound.setdefault(target.id, []).append(node.value)
-        elif isinstance(node, ast.For | ast.comprehension):
-            if isinstance(node.target, ast.Name):
-                bound.setdefault(node.target.id, []).append(node.iter)
-        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) in params:
-            for keyword in node.keywords:
-                if keyword.arg in params[node.func.id]:
-                    bound.setdefault(keyword.arg, []).append(keyword.value)
-    return bound
-
-
-def _gpu_count_in(node: ast.AST, bindings: dict[str, list[ast.AST]]) -> bool:
-    """Whether the expression reads a name bound to ``torch.cuda.device_count()``."""
-    return any(
-        isinstance(value, ast.Call) and getattr(value.func, "attr", None) == "device_count"
-        for name in ast.walk(node)
-        if isinstance(name, ast.Name)
-        for value in bindings.get(name.id, [])
-    )
-
-
-def notebook_launches() -> list[tuple[str, int]]:
-    """``(notebook, nproc)`` for every ``torchrun(...)`` call in the notebooks' code cells."""
-    found = []
-    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
-        cells = json.loads(path.read_text())["cells"]
-        source = "\n".join(_code(c) for c in cells if c["cell_type"] == "code")
-        tree = ast.parse(source)
-        bindings = _bindings(tree)
-        for node in ast.walk(tree):
-            func = getattr(node, "func", None)
-            name = getattr(func, "attr", None) or getattr(func, "id", None)
-            if not isinstance(node, ast.Call) or name != "torchrun":
-                continue
-            nproc = next((k.value for k in node.keywords if k.arg == "nproc"), None)
-            if nproc is not None and _gpu_count_in(nproc, bindings):
-                # Sized from this machine's GPUs (GPU-only cells): one rank per GPU is
-                # runnable by construction; any other count must override the plan on
-                # purpose, to show the error a rank without a GPU gets.
-                env = next((k.value for k in node.keywords if k.arg == "env"), None)
-                overrides = env is not None and "DDP_COURSE_DEVICE" in ast.unparse(env)
-                assert isinstance(nproc, ast.Name) or overrides, (
-                    f"{path.name} line {node.lineno}: nproc={ast.unparse(nproc)} is not one "
-                    "rank per GPU"
-                )
-                continue
-            values = {2} if nproc is None else _int_values(nproc, bindings)  # 2: the default
-            assert values, (
-                f"{path.name} line {node.lineno}: cannot read nproc={ast.unparse(nproc)}; "
-                "give it a number or a name assigned a number in the notebook"
-            )
-            found += [(path.name, n) for n in sorted(values)]
-    return found
-
-
-def test_the_scan_finds_the_lessons_launches():
-    launches = notebook_launches()
-    notebooks = {name for name, _ in launches}
-    assert {"00_course_setup.ipynb", "05_ddp.ipynb"} <= notebooks
-    assert {n for _, n in launches} >= {1, 2}
-
-
-@pytest.mark.parametrize("gpus", [1, 2])
+@pytest.mark.parametrize("gpus", [0, 1, 2, 4])
 def test_every_notebook_launch_has_a_runnable_plan(gpus):
-    for notebook, nproc in notebook_launches():
-        devices = ranks_devices(nproc, gpus)
-        assert len(devices) == nproc, notebook
-        cuda = [d.index for d in devices if d.type == "cuda"]
-        assert len(set(cuda)) == len(cuda) and all(i < gpus for i in cuda), (notebook, nproc)
+    checked = 0
+    for x in LAUNCHES:
+        if x.kind == "torch.cuda" or x.fails_on_purpose(gpus):
+            continue  # one process on cuda:0; a lesson showing a rank without a GPU
+        for nproc in x.ranks(gpus):
+            device = x.device_type(nproc, gpus)
+            if x.kind == "torchrun_nodes":
+                # Every node's local rank 0 would take cuda:0: simulated nodes never use GPUs.
+                assert device == "cpu", x.where()
+                continue
+            devices = [runtime.device_for_rank(r, gpus, device) for r in range(nproc)]
+            cuda = [d.index for d in devices if d.type == "cuda"]
+            # No GPU twice, none that the machine lacks.
+            assert len(set(cuda)) == len(cuda) and all(i < gpus for i in cuda), (x, nproc)
+            checked += 1
+    assert checked > 50
+
+
+def test_only_a_lesson_that_shows_the_error_puts_a_rank_without_a_gpu_on_cuda():
+    on_purpose = {x.where() for g in (1, 2, 4) for x in LAUNCHES if x.fails_on_purpose(g)}
+    assert {w.split(" ")[0] for w in on_purpose} <= {"12_debugging.ipynb"}
 
 
 # --- end to end: the launcher believes there is one GPU, the workers run on CPU ---
