@@ -2,33 +2,17 @@
 each of the others through ddp_course.checkpoint; loading naively fails with
 the ``module.`` prefix error."""
 
-import gc
 import itertools
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_course.checkpoint import load_checkpoint, portable_state_dict, save_checkpoint, unwrap
 from ddp_course.models import SmallCNN
-from ddp_course.runtime import DistContext
 
 KINDS = ["plain", "dataparallel", "ddp"]
-
-
-@pytest.fixture(scope="module")
-def group():
-    """A single-process gloo group: DDP needs one, no launcher needed for world size 1."""
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield DistContext(backend="gloo")
-    finally:
-        gc.collect()  # DDP's reducer must go before the group (see runtime.distributed)
-        dist.destroy_process_group()
 
 
 def build(kind: str, seed: int) -> nn.Module:

@@ -8,28 +8,12 @@ T = 256, float32's own rounding). With bfloat16 accumulators (every merge and th
 log-sum-exp rounded) the same run goes 1e-2 to 3e-2 past it.
 """
 
-import gc
-
 import pytest
 import torch
-import torch.distributed as dist
 
 from ddp_course import context_parallel as cp
 
 BF16_ROUNDING = 2.0**-8  # 8 significant bits: rounding x moves it by at most 2^-8 |x|
-
-
-@pytest.fixture(scope="module")
-def group():
-    """A single-process gloo group: ring attention asks its group for rank and size."""
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        gc.collect()
-        dist.destroy_process_group()
 
 
 def beyond_one_rounding(accumulate_dtype, t=256, layout="contiguous"):
