@@ -14,7 +14,7 @@ import time
 import pytest
 
 from ddp_course import runtime
-from ddp_course.harness import gpu_check, gpu_plan
+from ddp_course.harness import gpu_check, gpu_plan, gpu_reports
 from ddp_course.harness.cli import main
 from ddp_course.harness.gpu_check import NOT_STARTED, RESULTS_ENV
 
@@ -122,7 +122,7 @@ EXPECTED = [
     {"check": "notebooks/12_debugging.ipynb", "outcome": "not started", "seconds": 0.0,
      "skips": 0, "detail": NOT_STARTED},
     {"check": "notebooks/11_multinode.ipynb", "outcome": "not finished", "seconds": 4.0,
-     "skips": 0, "detail": gpu_check.NOT_FINISHED},
+     "skips": 0, "detail": gpu_reports.NOT_FINISHED},
     {"check": "notebooks/13_bad.ipynb", "outcome": "error", "seconds": 0.0, "skips": 0,
      "detail": "ValueError: not a notebook"},
     {"check": "notebooks/10_benchmarking.ipynb", "outcome": "skipped", "seconds": 9.0,
@@ -131,16 +131,16 @@ EXPECTED = [
 
 
 def test_reports_become_one_row_per_test_and_per_notebook():
-    assert gpu_check.collect_checks(RECORDS) == EXPECTED
-    assert gpu_check.totals(EXPECTED) == {"failed": 2, "error": 2, "not finished": 1,
+    assert gpu_reports.collect_checks(RECORDS) == EXPECTED
+    assert gpu_reports.totals(EXPECTED) == {"failed": 2, "error": 2, "not finished": 1,
                                           "passed": 1, "skipped": 2, "not started": 1}  # fmt: skip
 
 
 def test_a_notebook_that_printed_skip_lines_is_skipped_not_passed():
-    rows = gpu_check.collect_checks(passed("notebooks/05_ddp.ipynb::Cell 3", skip_lines=["a"]))
+    rows = gpu_reports.collect_checks(passed("notebooks/05_ddp.ipynb::Cell 3", skip_lines=["a"]))
     assert [(r["outcome"], r["skips"]) for r in rows] == [("skipped", 1)]
     assert rows[0]["detail"] == "ran; 1 part skipped: a"
-    rows = gpu_check.collect_checks(passed("notebooks/05_ddp.ipynb::Cell 3"))
+    rows = gpu_reports.collect_checks(passed("notebooks/05_ddp.ipynb::Cell 3"))
     assert [(r["outcome"], r["skips"]) for r in rows] == [("passed", 0)]
 
 
@@ -152,10 +152,10 @@ def test_skip_lines_are_read_from_a_cells_outputs():
         {"output_type": "stream", "name": "stdout", "text": ["not skipped: here\n"]},
         {"output_type": "display_data", "data": {"image/png": "..."}},
     ]  # fmt: skip
-    assert gpu_check.skip_lines(outputs) == [
+    assert gpu_reports.skip_lines(outputs) == [
         "SKIPPED: needs 2 GPUs, this machine has 1.", "skipped: nccl"
     ]  # fmt: skip
-    assert gpu_check.skip_lines(None) == []
+    assert gpu_reports.skip_lines(None) == []
 
 
 def test_the_plugin_attaches_a_cells_skip_lines_to_its_call_report():
@@ -172,7 +172,7 @@ def test_the_plugin_attaches_a_cells_skip_lines_to_its_call_report():
         def get_result(self):
             return Report
 
-    plugin = gpu_check._Plugin(None, None)
+    plugin = gpu_reports.ReportPlugin(None, None)
     hook = plugin.pytest_runtest_makereport(Item(), Call())
     next(hook)
     with pytest.raises(StopIteration):
@@ -228,7 +228,7 @@ def test_summary_json_and_table(tmp_path):
         "command": "python -m ddp_course gpu-check --budget-s 540",
         "utc": "2026-11-23T09:00:00+00:00", "budget_s": 540, "wall_s": 61.3, "gpus": 1,
         "machine": machine, "plan": [], "passes": passes, "checks": checks,
-        "totals": gpu_check.totals_by_part(checks), "results": ["a.json", "b.json"],
+        "totals": gpu_reports.totals_by_part(checks), "results": ["a.json", "b.json"],
         "world_size_1": {"paths": list(gpu_plan.WORLD_SIZE_1_PATHS), "tests": [ws1["check"]]},
     }  # fmt: skip
     assert summary["totals"]["B"]["not finished"] == 1 and summary["totals"]["C"]["passed"] == 0
@@ -276,13 +276,13 @@ def test_the_plugin_skips_what_would_start_after_the_deadline():
         except pytest.skip.Exception as exc:
             pytest.fail(f"{nodeid} was not started: {exc}")
 
-    late = gpu_check._Plugin(None, deadline=time.time() - 1)
+    late = gpu_reports.ReportPlugin(None, deadline=time.time() - 1)
     late.started.add("notebooks/05_ddp.ipynb")  # began before the deadline
     must_run(late, "notebooks/05_ddp.ipynb::Cell 7")  # runs to its end
     for nodeid in ("notebooks/06_samplers.ipynb::Cell 0", "tests/gpu/test_gpu.py::test_x"):
         with pytest.raises(pytest.skip.Exception, match=NOT_STARTED):
             late.pytest_runtest_setup(Item(nodeid))
-    early = gpu_check._Plugin(None, deadline=time.time() + 600)
+    early = gpu_reports.ReportPlugin(None, deadline=time.time() + 600)
     must_run(early, "tests/gpu/test_gpu.py::test_x")
     assert early.started == {"tests/gpu/test_gpu.py::test_x"}
 
@@ -315,12 +315,12 @@ def _pytest_with_the_plugin(folder, deadline, *options):
     (folder / "test_sample.py").write_text(SAMPLE_TESTS)
     (folder / "test_syntax.py").write_text("def test_(:\n")
     reports = folder / "reports.jsonl"
-    args = [*gpu_check.plugin_args(reports, deadline), *options, "-p", "no:cacheprovider",
+    args = [*gpu_reports.plugin_args(reports, deadline), *options, "-p", "no:cacheprovider",
             "--continue-on-collection-errors"]  # fmt: skip
     subprocess.run([sys.executable, "-m", "pytest", *args], cwd=folder, capture_output=True,
                    timeout=300)  # fmt: skip
-    records = gpu_check.read_records(reports)
-    return {c["check"]: c for c in gpu_check.collect_checks(records)}, records
+    records = gpu_reports.read_records(reports)
+    return {c["check"]: c for c in gpu_reports.collect_checks(records)}, records
 
 
 def test_the_plugin_records_pytests_reports_under_xdist(tmp_path):
@@ -710,12 +710,12 @@ def test_nbval_reports_carry_the_skip_lines_a_notebook_printed(tmp_path):
           "nbformat": 4, "nbformat_minor": 5}  # fmt: skip
     (tmp_path / "10_x.ipynb").write_text(json.dumps(nb))
     reports = tmp_path / "reports.jsonl"
-    args = [*gpu_check.plugin_args(reports, time.time() + 600), "--nbval-lax",
+    args = [*gpu_reports.plugin_args(reports, time.time() + 600), "--nbval-lax",
             "--nbval-current-env", "-p", "no:cacheprovider", "10_x.ipynb"]  # fmt: skip
     done = subprocess.run([sys.executable, "-m", "pytest", *args], cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:]
-    (row,) = gpu_check.collect_checks(gpu_check.read_records(reports))
+    (row,) = gpu_reports.collect_checks(gpu_reports.read_records(reports))
     assert (row["check"], row["outcome"], row["skips"]) == ("10_x.ipynb", "skipped", 1)
     assert row["detail"] == "ran; 1 part skipped: SKIPPED: needs 2 GPUs, this machine has 1"
 
@@ -737,12 +737,13 @@ def test_on_one_gpu_the_gpu_tests_name_the_nccl_paths_world_size_1_cannot_show(r
     marked = source.count("@world_size_1(")
     assert marked >= 5
     reports = tmp_path / "reports.jsonl"
-    args = [*gpu_check.plugin_args(reports, time.time() + 600), "-p", "no:cacheprovider",
+    args = [*gpu_reports.plugin_args(reports, time.time() + 600), "-p", "no:cacheprovider",
             "tests/gpu/test_gpu.py", "-k", "several or between or fewer"]  # fmt: skip
     done = subprocess.run([sys.executable, "-c", ONE_GPU, *args], cwd=root,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:]
-    checks = [{"part": "A", **c} for c in gpu_check.collect_checks(gpu_check.read_records(reports))]
+    records = gpu_reports.read_records(reports)
+    checks = [{"part": "A", **c} for c in gpu_reports.collect_checks(records)]
     assert len(checks) == marked and {c["outcome"] for c in checks} == {"skipped"}
     for c in checks:
         assert c["detail"].startswith(f"{gpu_plan.WORLD_SIZE_1} (one GPU): "), c
