@@ -128,9 +128,17 @@ class SelectiveRecord:
 
 
 def _output_bytes(func, args, out) -> int:
-    if out is None:  # torch < 2.12 calls the policy before the operation: use the shapes
+    if out is None:
+        # torch < 2.12 asks the policy before the operation runs, so read the output's
+        # size off the inputs: a matrix product's from its operands, any other saved
+        # operation's (softmax, element-wise) from its first input, whose shape it keeps.
+        # (Running the operation on meta tensors would be exact, but an enclosing
+        # FlopCounterMode would count it.)
         a, b = args[-2], args[-1]
-        return a.shape[:-1].numel() * b.shape[-1] * a.element_size()
+        if func in MATMULS:
+            return a.shape[:-1].numel() * b.shape[-1] * a.element_size()
+        first = next(t for t in args if isinstance(t, torch.Tensor))
+        return first.numel() * first.element_size()
     outs = out if isinstance(out, (tuple, list)) else (out,)
     return sum(t.numel() * t.element_size() for t in outs if isinstance(t, torch.Tensor))
 

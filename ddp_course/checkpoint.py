@@ -15,7 +15,13 @@ Rules (https://pytorch.org/tutorials/intermediate/ddp_tutorial.html, section
   prefixes when loading one saved from a wrapper;
 - load with ``map_location`` onto this rank's device, and with
   ``weights_only=True`` (the default since torch 2.6): store tensors and
-  plain Python values only.
+  plain Python values only;
+- keep an optimizer's ``step`` counters on the host, as a new optimizer does:
+  ``Optimizer.load_state_dict`` moves every other state tensor to its
+  parameter's device but leaves ``step`` where ``map_location`` put it, unless
+  the optimizer is ``fused`` or ``capturable`` (torch/optim/optimizer.py, note
+  "special device hosting for step"); a ``step`` on the GPU makes every
+  optimizer step wait for the GPU to read it back.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ __all__ = [
     "restore_rng_states",
     "rng_states",
     "save_checkpoint",
+    "steps_on_host",
     "unwrap",
 ]
 
@@ -182,8 +189,24 @@ def load_checkpoint(
     unwrap(model).load_state_dict(portable_state_dict(payload.pop("model")))
     opt_state = payload.pop("optimizer", None)
     if optimizer is not None and opt_state is not None:
-        optimizer.load_state_dict(opt_state)
+        optimizer.load_state_dict(steps_on_host(opt_state))
     return payload
+
+
+def steps_on_host(optimizer_state: dict[str, Any]) -> dict[str, Any]:
+    """``optimizer_state`` (an ``Optimizer.state_dict()``) with every ``step``
+    tensor moved to the CPU, as a new non-fused optimizer holds it (a 0-d
+    float32 tensor on the host); ``Optimizer.load_state_dict`` moves it back to
+    the parameter's device for a ``fused`` or ``capturable`` optimizer. Other
+    entries are shared, not copied."""
+    state = {
+        key: {
+            name: value.cpu() if name == "step" and torch.is_tensor(value) else value
+            for name, value in per_param.items()
+        }
+        for key, per_param in optimizer_state.get("state", {}).items()
+    }
+    return {**optimizer_state, "state": state}
 
 
 def rng_states() -> dict[str, Any]:

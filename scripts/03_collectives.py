@@ -138,8 +138,16 @@ def collectives(ctx) -> dict:
 
     t = per_rank()
     parts = [torch.zeros(1, dtype=t.dtype, device=dev) for _ in range(n)]
-    dist.all_to_all(parts, list(t.split(1)))
-    out["all_to_all"] = {"before": t.tolist(), "after": torch.cat(parts).tolist()}
+    try:
+        dist.all_to_all(parts, list(t.split(1)))
+        via = "dist.all_to_all"
+    except RuntimeError as exc:
+        # gloo of torch 2.11 has only the one-tensor form: the same exchange, one buffer.
+        get_logger(ctx).warning(f"dist.all_to_all failed ({exc}); using all_to_all_single")
+        single = torch.zeros(n, dtype=t.dtype, device=dev)
+        dist.all_to_all_single(single, t)
+        parts, via = list(single.split(1)), "dist.all_to_all_single"
+    out["all_to_all"] = {"before": t.tolist(), "after": torch.cat(parts).tolist(), "via": via}
 
     # barrier: rank r arrives 0.2 * r s late; everyone leaves with the last.
     time.sleep(0.2 * rank)

@@ -16,12 +16,6 @@ The tests that check those multi-rank paths are therefore skipped there, each wi
 that starts with "world size 1" and names what was not exercised; gpu-check lists them in
 its summary, and names the result files of world size 1 ``*-world-size-1.json``.
 
-With one GPU every nccl job has world size 1: an all-reduce is a local copy, busbw is 0
-by definition, SyncBatchNorm is BatchNorm, a pipeline has one stage, FSDP2 shards nothing.
-The tests that check those multi-rank paths are therefore skipped there, each with a reason
-that starts with "world size 1" and names what was not exercised; gpu-check lists them in
-its summary, and names the result files of world size 1 ``*-world-size-1.json``.
-
 Marked serial: the jobs use every GPU, and two tests read clocks.
 """
 
@@ -35,6 +29,7 @@ from torch import nn
 from torch.nn.functional import cross_entropy
 
 from ddp_course import pipeline, runtime
+from ddp_course.checkpoint import load_checkpoint
 from ddp_course.data_parallel import DataParallel
 from ddp_course.models import SmallCNN
 from ddp_course.tools.bench import COLLECTIVES, busbw_factor
@@ -273,6 +268,28 @@ def test_a_plain_process_group_of_one_uses_nccl_on_a_gpu(monkeypatch):
         t = torch.ones(1, device=ctx.device)
         dist.all_reduce(t)
         assert t.item() == 1.0
+
+
+@needs_gpu
+def test_a_checkpoint_loaded_onto_a_gpu_keeps_adams_step_on_the_host(tmp_path):
+    # map_location="cuda" puts every saved tensor on the GPU; load_state_dict then leaves
+    # a non-fused optimizer's step there, where a new optimizer keeps it on the host.
+    torch.manual_seed(0)
+    model = SmallCNN().cuda()
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 1, 28, 28, device="cuda")).sum().backward()
+    optimizer.step()
+    path = tmp_path / "model.pt"
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
+    restored = SmallCNN().cuda()
+    restored_opt = torch.optim.Adam(restored.parameters())
+    load_checkpoint(path, restored, restored_opt, map_location="cuda")
+    saved, loaded = optimizer.state_dict()["state"], restored_opt.state_dict()["state"]
+    for key, state in saved.items():
+        for name, value in state.items():
+            torch.testing.assert_close(loaded[key][name], value, msg=f"{key} {name}")
+    assert {s["step"].device.type for s in loaded.values()} == {"cpu"}
+    assert {s["exp_avg"].device.type for s in loaded.values()} == {"cuda"}
 
 
 def _gradients(model, x, y, wrap):

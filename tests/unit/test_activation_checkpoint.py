@@ -104,3 +104,28 @@ def test_bad_input_raises_clearly():
         ac.apply_policy(model, "every_block")
     with pytest.raises(ValueError, match="impl must be"):
         ac.CheckpointWrapper(block, "mine")
+
+
+_A, _B = torch.randn(3, 4, 5), torch.randn(3, 5, 6)
+
+
+@pytest.mark.parametrize(
+    ("op", "args"),
+    [
+        (torch.ops.aten.mm.default, (_A[0], _B[0])),
+        (torch.ops.aten.addmm.default, (torch.randn(6), _A[0], _B[0])),
+        (torch.ops.aten.bmm.default, (_A, _B)),
+        (torch.ops.aten._softmax.default, (_A, -1, False)),
+    ],
+)
+@pytest.mark.parametrize("when", ["after the operation", "before it (torch < 2.12)"])
+def test_the_policy_counts_the_bytes_each_saved_operation_returns(op, args, when):
+    out = op(*args)
+    ctx = type("Ctx", (), {"is_recompute": False})()
+    if when == "after the operation":
+        ctx.op_output = out
+    record = ac.SelectiveRecord()
+    policy = ac.matmul_policy(record, save=(op,))
+    assert policy(ctx, op, *args) == torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE
+    assert record.saved_bytes == out.numel() * out.element_size()
+    assert record.saved_ops == [str(op)]
