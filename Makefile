@@ -12,8 +12,17 @@
 #                  Options go in ARGS: make gpu-check ARGS="--budget-s 1200 --all"
 # make gpu-check-plan  the plan, order and estimated time with 1, 2 and 4 GPUs; runs nothing, needs
 #                  no GPU (ARGS="--gpus 2" for one count)
+# make test TORCH=2.15.0  the same suite against another torch, in its own .venv-torch-2.15.0:
+#                  that torch, the newest torchvision of the supported range that admits it,
+#                  every other package as pinned. If pip refuses the version ("The user requested
+#                  (constraint) torch<=..."), its configuration caps torch: add
+#                  PIP_CONFIG_FILE=/dev/null, which makes pip read no configuration file.
 PYTHON ?= python3
+ifdef TORCH
+VENV ?= .venv-torch-$(TORCH)
+else
 VENV ?= .venv
+endif
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
@@ -22,7 +31,12 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+ifdef TORCH
+	$(PYTHON) ddp_course/harness/pins.py > $(VENV)/pins.txt
+	$(PY) -m pip install --quiet "torch==$(TORCH)" -r $(VENV)/pins.txt -e ".[dev]"
+else
 	$(PY) -m pip install --quiet -e ".[pinned,dev]"
+endif
 	$(PY) -m ddp_course check
 	touch $(STAMP)
 
