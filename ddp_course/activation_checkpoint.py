@@ -20,6 +20,7 @@ operations recomputed; Korthikanti et al. 2022, section 5).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -36,6 +37,7 @@ __all__ = [
     "apply_policy",
     "checkpoint",
     "matmul_policy",
+    "selective_contexts",
 ]
 
 #: The operations selective checkpointing saves: their outputs cost FLOPs to rebuild.
@@ -167,6 +169,24 @@ def matmul_policy(record: SelectiveRecord, save: tuple = MATMULS) -> Callable:
     return policy
 
 
+def selective_contexts(policy: Callable) -> tuple:
+    """``create_selective_checkpoint_contexts(policy)`` with the saved tensors kept out
+    of saved-tensor hooks, on every torch the course supports.
+
+    torch 2.15 announces (FutureWarning) that selective checkpointing will pass what
+    it saves through the active ``saved_tensors_hooks``; a hook that counts saved
+    bytes (:class:`ddp_course.activation_memory.SavedTensorCounter`) would then count
+    them twice. ``respect_saved_tensors_hooks=False`` keeps today's behaviour where
+    torch has the argument (2.15 on); older torch has no argument and behaves so.
+    """
+    if (
+        "respect_saved_tensors_hooks"
+        in inspect.signature(create_selective_checkpoint_contexts).parameters
+    ):
+        return create_selective_checkpoint_contexts(policy, respect_saved_tensors_hooks=False)
+    return create_selective_checkpoint_contexts(policy)
+
+
 class CheckpointWrapper(nn.Module):
     """A module run through a checkpoint: ours, PyTorch's, or PyTorch's selective one.
 
@@ -199,7 +219,7 @@ class CheckpointWrapper(nn.Module):
         kw = {}
         if self.impl == "selective":
             policy = matmul_policy(self.record, self.save)
-            kw["context_fn"] = lambda: create_selective_checkpoint_contexts(policy)
+            kw["context_fn"] = lambda: selective_contexts(policy)
         return torch.utils.checkpoint.checkpoint(self.module, x, use_reentrant=False, **kw)
 
 

@@ -2,6 +2,8 @@
 torch.utils.checkpoint and to no checkpointing with dropout on, the RNG bug, each
 policy's gradients, and what selective checkpointing saves and recomputes."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -129,3 +131,17 @@ def test_the_policy_counts_the_bytes_each_saved_operation_returns(op, args, when
     assert policy(ctx, op, *args) == torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE
     assert record.saved_bytes == out.numel() * out.element_size()
     assert record.saved_ops == [str(op)]
+
+
+def test_selective_checkpointing_warns_of_no_change_to_come():
+    # torch 2.15 warns (FutureWarning) that the default of respect_saved_tensors_hooks will
+    # change, which would make SavedTensorCounter count every saved tensor twice.
+    torch.manual_seed(0)
+    block = ac.CheckpointWrapper(Block(32, 4, dropout=0.0, flash=False), "selective")
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        with am.SavedTensorCounter(block.parameters()) as counter:
+            y = block(x)
+        y.square().sum().backward()
+    assert counter.activation_bytes > 0
