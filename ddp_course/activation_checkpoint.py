@@ -37,7 +37,7 @@ __all__ = [
     "apply_policy",
     "checkpoint",
     "matmul_policy",
-    "selective_contexts",
+    "selective_checkpoint",
 ]
 
 #: The operations selective checkpointing saves: their outputs cost FLOPs to rebuild.
@@ -169,22 +169,24 @@ def matmul_policy(record: SelectiveRecord, save: tuple = MATMULS) -> Callable:
     return policy
 
 
-def selective_contexts(policy: Callable) -> tuple:
-    """``create_selective_checkpoint_contexts(policy)`` with the saved tensors kept out
-    of saved-tensor hooks, on every torch the course supports.
+def selective_checkpoint(module: nn.Module, x: torch.Tensor, policy: Callable) -> torch.Tensor:
+    """``torch.utils.checkpoint.checkpoint(module, x, use_reentrant=False)`` with the
+    selective ``policy``, its saved tensors kept out of saved-tensor hooks on every
+    torch the course supports.
 
     torch 2.15 announces (FutureWarning) that selective checkpointing will pass what
     it saves through the active ``saved_tensors_hooks``; a hook that counts saved
     bytes (:class:`ddp_course.activation_memory.SavedTensorCounter`) would then count
     them twice. ``respect_saved_tensors_hooks=False`` keeps today's behaviour where
-    torch has the argument (2.15 on); older torch has no argument and behaves so.
+    ``checkpoint`` has the argument (2.15 on); older torch has none and behaves so.
     """
+    kw = {"context_fn": lambda: create_selective_checkpoint_contexts(policy)}
     if (
         "respect_saved_tensors_hooks"
-        in inspect.signature(create_selective_checkpoint_contexts).parameters
+        in inspect.signature(torch.utils.checkpoint.checkpoint).parameters
     ):
-        return create_selective_checkpoint_contexts(policy, respect_saved_tensors_hooks=False)
-    return create_selective_checkpoint_contexts(policy)
+        kw["respect_saved_tensors_hooks"] = False
+    return torch.utils.checkpoint.checkpoint(module, x, use_reentrant=False, **kw)
 
 
 class CheckpointWrapper(nn.Module):
@@ -216,11 +218,9 @@ class CheckpointWrapper(nn.Module):
             return self.module(x)
         if self.impl == "ours":
             return checkpoint(self.module, x)
-        kw = {}
         if self.impl == "selective":
-            policy = matmul_policy(self.record, self.save)
-            kw["context_fn"] = lambda: selective_contexts(policy)
-        return torch.utils.checkpoint.checkpoint(self.module, x, use_reentrant=False, **kw)
+            return selective_checkpoint(self.module, x, matmul_policy(self.record, self.save))
+        return torch.utils.checkpoint.checkpoint(self.module, x, use_reentrant=False)
 
 
 def apply_policy(model: nn.Module, policy: str, impl: str = "ours") -> SelectiveRecord:
