@@ -142,12 +142,15 @@ def torch_context_parallel(ctx, args):
     q, k, v, _ = whole(args, ctx.world_size, torch.float32, ctx.device)
     ref = cp.reference_attention(q, k, v, causal=True)
     buffers = [x.clone() for x in (q, k, v)]  # sharded in place, so not leaves of a graph
+    sdpa = torch.nn.functional.scaled_dot_product_attention
     try:
         with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2]):
             out = torch.nn.functional.scaled_dot_product_attention(*buffers, is_causal=True)
         (out,) = context_parallel_unshard(mesh, [out], [2])
     except Exception as e:  # recorded, not hidden: the notebook shows it
         return {"ran": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
+    finally:  # torch 2.11 leaves it wrapped for DTensors after the block
+        torch.nn.functional.scaled_dot_product_attention = sdpa
     return {"ran": True, "max_diff": (out - ref).abs().max().item()}
 
 
