@@ -8,11 +8,13 @@
 Written for torchrun, like every script of the course: it has no --local-rank
 option and reads LOCAL_RANK from the environment. Rank 0 prints the names of
 the variables the launcher set and writes them to --results. It starts no
-process group: what it looks at is the launcher.
+process group: what it looks at is the launcher. With --sleep-s S every rank
+then waits S seconds before it exits: a job that outlives a launcher's timeout.
 """
 
 import argparse
 import os
+import time
 
 from ddp_course.tools.records import write_results
 
@@ -23,6 +25,7 @@ LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "G
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", help="rank 0 writes a JSON summary here")
+    parser.add_argument("--sleep-s", type=float, default=0.0, help="seconds to wait at the end")
     args = parser.parse_args()  # an unknown argument such as --local-rank=0 exits here
     names = sorted(
         k for k in os.environ if k in LAUNCHER_VARIABLES or k.startswith("TORCHELASTIC_")
@@ -31,6 +34,7 @@ def main() -> None:
         local_rank = os.environ.get("LOCAL_RANK")
         print(f"rank 0: LOCAL_RANK={local_rank}; launcher variables {names}")
         write_results(None, args.results, {"variables": names, "local_rank": local_rank})
+    time.sleep(args.sleep_s)
 
 
 if __name__ == "__main__":

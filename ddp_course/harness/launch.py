@@ -313,11 +313,17 @@ def planned_env(
     fewer than ranks) it prints the plan's reason.
 
     Returns:
-        ``(env, prefix)``: the new mapping, and ``"DDP_COURSE_DEVICE=cpu "``
-        to show in front of the command line on a fallback, else ``""``.
+        ``(env, prefix)``: the new mapping, and the ``DDP_COURSE_DEVICE=...``
+        to show in front of the command line: the value ``env`` sets, or
+        ``"DDP_COURSE_DEVICE=cpu "`` on a fallback, else ``""`` (a value
+        inherited from this process's environment is not shown, like any
+        other variable of the shell).
     """
     env = dict(env or {})
-    if DEVICE_ENV in env or DEVICE_ENV in os.environ:
+    if DEVICE_ENV in env:
+        # The caller's choice is part of the command: without it the job may run elsewhere.
+        return env, f"{DEVICE_ENV}={shlex.quote(env[DEVICE_ENV])} "
+    if DEVICE_ENV in os.environ:
         return env, ""
     plan = device_plan(nproc, runtime.gpu_count() if gpus is None else gpus)
     env[DEVICE_ENV] = plan.device_type

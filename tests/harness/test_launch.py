@@ -181,6 +181,22 @@ def test_the_job_is_announced_as_a_learner_would_type_it(tmp_path, monkeypatch, 
     assert lines[2] == "$ python scripts/hello.py"  # absolute paths shown relative
 
 
+def test_a_device_the_caller_sets_is_shown_in_the_command(tmp_path, monkeypatch, capsys):
+    # The command printed is what a learner would type: a job forced onto the CPU must say
+    # so, or the same command on a machine with GPUs runs on them.
+    monkeypatch.delenv(launch.DEVICE_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "hello.py").write_text("print('hello')\n")
+    env, prefix = launch.planned_env({launch.DEVICE_ENV: "cpu"}, nproc=2, gpus=4)
+    assert (env[launch.DEVICE_ENV], prefix) == ("cpu", "DDP_COURSE_DEVICE=cpu ")
+    assert launch.planned_env(None, nproc=2, gpus=0) == ({launch.DEVICE_ENV: "cpu"}, "")
+    launch.python("hello.py", echo=False, env={launch.DEVICE_ENV: "cpu"}, gpus=0)
+    assert capsys.readouterr().out.splitlines()[0] == "$ DDP_COURSE_DEVICE=cpu python hello.py"
+    # One inherited from this process's environment is the learner's shell's: not repeated.
+    monkeypatch.setenv(launch.DEVICE_ENV, "cpu")
+    assert launch.planned_env(None, nproc=2, gpus=4) == ({}, "")
+
+
 def test_torchrun_announcement_hides_the_launchers_own_flags(workers, capsys):
     launch.torchrun(workers / "launch_sleep.py", nproc=2, timeout_s=120, echo=False,
                     extra_torchrun_args=["--max-restarts=0"])  # fmt: skip

@@ -126,3 +126,29 @@ def test_the_sweep_plan_runs_a_two_rank_launch_on_cpu_where_two_gpus_would_take_
                           gpus=2, env={runtime.DEVICE_ENV: plan.device_type}, results=True,
                           echo=False, timeout_s=180)  # fmt: skip
     assert (job.results["backend"], job.results["device"]) == ("gloo", "cpu")
+
+
+# --- the recorded reference run the notebook reads ------------------------------------
+
+
+def test_the_recorded_reference_run_has_the_shape_the_notebook_describes(
+    root, monkeypatch, tmp_path
+):
+    # Notebook 04 times a short live sweep on whatever load the machine has, and describes
+    # the shape of its curves from benchmarks/cpu-2core/04_allreduce.json, a run of the
+    # script's defaults on a quiet 2-core machine. These are that description's claims; they
+    # fail when the file is recorded again and no longer shows them.
+    monkeypatch.chdir(tmp_path)
+    parameters = {"pathlib": pathlib}
+    exec(notebook_cell("WORLD_SIZES = "), parameters)
+    reference = json.loads((root / "benchmarks/cpu-2core/04_allreduce.json").read_text())
+    sizes, sweep = reference["sizes"], reference["sweep"]
+    assert set(sweep) == {"torch", "ring", "ps", "send", "exchange"}
+    for name, row in sweep.items():
+        t = row["median_s"]
+        for s in parameters["SCALING_BYTES"]:  # the sizes timed with 3 and 4 ranks
+            assert t[sizes.index(s)] > 2 * t[0], (name, s)  # latency: under half the time
+        assert abs(reference["fits"][name]["alpha_s"]) < 0.1 * t[-1], name  # alpha is small
+        assert row["busbw_GBps"][-1] > 10 * row["busbw_GBps"][0], name  # busbw rises with S
+    meta = reference["meta"]  # recorded on 2 cores, not saturated
+    assert meta["machine"]["cpus"] == 2 and meta["load_average_1min"] < meta["machine"]["cpus"]

@@ -10,6 +10,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_course.checkpoint import load_checkpoint, portable_state_dict, save_checkpoint, unwrap
+from ddp_course.harness import launch
 from ddp_course.models import SmallCNN
 
 KINDS = ["plain", "dataparallel", "ddp"]
@@ -97,3 +98,52 @@ def test_compiled_prefixes_are_stripped(group, tmp_path, prefix):
         target = build(kind, seed=6)
         load_checkpoint(tmp_path / "raw.pt", target)
         same_parameters(source, target)
+
+
+# Two ranks: rank 0 writes slowly (a slow disk); every rank loads the checkpoint the moment
+# its own save_checkpoint call returns.
+_READ_AT_ONCE = """
+import argparse
+import time
+
+import torch
+
+from ddp_course.checkpoint import load_checkpoint, save_checkpoint
+from ddp_course.runtime import distributed
+from ddp_course.tools.records import write_results
+
+parser = argparse.ArgumentParser()
+parser.add_argument("path")
+parser.add_argument("--results")
+args = parser.parse_args()
+real_save = torch.save
+
+
+def slow_save(*save_args, **kwargs):
+    time.sleep(2.0)  # meanwhile rank 1 has reached the end of its save_checkpoint call
+    real_save(*save_args, **kwargs)
+
+
+torch.save = slow_save
+with distributed() as ctx:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    save_checkpoint(ctx, args.path, model, epoch=7)
+    target = torch.nn.Linear(4, 2)  # other weights: the load must bring rank 0's
+    extra = load_checkpoint(args.path, target)
+    same = all(torch.equal(a, b) for a, b in zip(model.parameters(), target.parameters()))
+    records = [None] * ctx.world_size
+    torch.distributed.all_gather_object(records, [extra, same])
+    write_results(ctx, args.results, {"ranks": records})
+"""
+
+
+def test_no_rank_reads_the_checkpoint_before_it_is_complete(tmp_path):
+    worker = tmp_path / "read_at_once.py"
+    worker.write_text(_READ_AT_ONCE)
+    path = tmp_path / "ckpt" / "model.pt"
+    job = launch.torchrun(worker, [str(path)], nproc=2, gpus=0, results=True, echo=False,
+                          timeout_s=180)  # fmt: skip
+    assert len(job.results["ranks"]) == 2
+    for extra, same in job.results["ranks"]:
+        assert extra == {"epoch": 7} and same  # the whole checkpoint, on every rank
