@@ -22,9 +22,11 @@ wraps a model and an optimizer class and trains at any stage;
 :func:`held_bytes` counts the state a rank holds and :class:`CollectiveBytes`
 the bytes torch's collectives received, to check the formulas and counters.
 
-Every parameter is sharded on its own (as FSDP2 does): flattened, padded to a
-multiple of N for the collectives, rank r owning elements
-``[r * s, min((r + 1) * s, n))`` with ``s = ceil(n / N)``.
+Every parameter is sharded on its own, as FSDP2 does, but cut differently:
+flattened, padded to a multiple of N for the collectives, rank r owning elements
+``[r * s, min((r + 1) * s, n))`` with ``s = ceil(n / N)``. FSDP2 keeps the shape
+and cuts dim 0 instead (rank r owns rows ``[r * t, (r + 1) * t)``, ``t = ceil(rows / N)``),
+so its shards are whole rows and ours may end inside a row.
 
 Gloo implements both collectives used here on CPU tensors (checked with
 PyTorch 2.13): ``dist.reduce_scatter_single`` and ``dist.all_gather_single``

@@ -8,7 +8,8 @@ The same MLP is trained on the bundled MNIST subset five ways: float32; autocast
 (bfloat16 on CPU, float16 with a gradient scaler on GPU); and float32 compute
 with the gradients compressed for the all-reduce by torch's communication hooks
 (fp16, bf16, PowerSGD of rank 2). Every all-reduce that goes through
-torch.distributed's Python API is counted in bytes.
+torch.distributed's Python API is counted in bytes, step by step: PowerSGD
+sends its first steps uncompressed.
 """
 
 import argparse
@@ -27,6 +28,8 @@ from ddp_course.tools.records import write_results
 from ddp_course.training import evaluate
 
 VARIANTS = ("float32", "autocast", "fp16 hook", "bf16 hook", "PowerSGD hook")
+POWERSGD_RANK = 2  # matrix_approximation_rank
+POWERSGD_START = 2  # start_powerSGD_iter: the steps before it are sent uncompressed
 
 
 def parse_args():
@@ -67,7 +70,10 @@ def wrap(variant, ctx):
         model.register_comm_hook(group, default_hooks.bf16_compress_hook)
     elif variant == "PowerSGD hook":
         state = powerSGD_hook.PowerSGDState(
-            group, matrix_approximation_rank=2, start_powerSGD_iter=2, min_compression_rate=1
+            group,
+            matrix_approximation_rank=POWERSGD_RANK,
+            start_powerSGD_iter=POWERSGD_START,
+            min_compression_rate=1,
         )
         model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     else:  # torch's default all-reduce, as a Python hook so that its bytes are counted
@@ -86,7 +92,7 @@ def train(variant, ctx, args, images, labels):
     n, b = ctx.world_size, args.batch_size
     per_rank = len(images) // n
     mine = torch.arange(ctx.rank * per_rank, (ctx.rank + 1) * per_rank)
-    steps = 0
+    steps, bytes_by_step = 0, []
     with ByteCounter() as counter:
         for epoch in range(args.epochs):
             order = mine[torch.randperm(per_rank, generator=torch.Generator().manual_seed(epoch))]
@@ -97,14 +103,17 @@ def train(variant, ctx, args, images, labels):
                 with amp or contextlib.nullcontext():
                     loss = F.cross_entropy(model(x), y)
                 opt.zero_grad()
+                before = counter.bytes
                 scaler.scale(loss).backward()
                 scaler.step(opt)
                 scaler.update()
+                bytes_by_step.append(counter.bytes - before)
                 steps += 1
                 if steps == args.max_steps:
                     break
     return model.module, {"steps": steps, "all_reduce_calls": counter.calls,
-                          "bytes_per_step": counter.bytes / steps}  # fmt: skip
+                          "bytes_per_step": counter.bytes / steps,
+                          "bytes_by_step": bytes_by_step}  # fmt: skip
 
 
 def main():
@@ -122,6 +131,8 @@ def main():
                      f"{stats['bytes_per_step'] / 1e3:.0f} kB all-reduced per step")  # fmt: skip
         write_results(ctx, args.results, {"world_size": dist.get_world_size(),
                                           "device": str(ctx.device),
+                                          "powersgd": {"rank": POWERSGD_RANK,
+                                                       "start_iter": POWERSGD_START},
                                           "variants": results})  # fmt: skip
 
 

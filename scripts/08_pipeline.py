@@ -87,13 +87,15 @@ def gather(obj, world_size):
 
 
 def torch_pipelining(args, ctx, name, m, x, y, ours):
-    """The same step with torch.distributed.pipelining; largest |gradient - ours| on this rank.
+    """The same step with torch.distributed.pipelining, against ours on this rank.
 
-    None for the naive split (torch has no such schedule), when m does not divide the
-    batch (torch averages the micro-batch losses with equal weights) and with --no-torch.
+    Returns the largest |gradient - ours| and the order in which torch's schedule ran
+    this rank's forwards and backwards, as (kind, micro-batch) pairs. (None, None) for
+    the naive split (torch has no such schedule), when m does not divide the batch
+    (torch averages the micro-batch losses with equal weights) and with --no-torch.
     """
     if name == "naive" or len(x) % m or args.no_torch:
-        return None
+        return None, None
     # Imported here: it pulls in torch's compiler and DTensor, seconds per process.
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -102,6 +104,18 @@ def torch_pipelining(args, ctx, name, m, x, y, ours):
     stage = PipelineStage(theirs, k, p, ctx.device)
     torch_schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
     schedule = torch_schedule(stage, n_microbatches=m, loss_fn=cross_entropy)
+    order = []  # the schedule calls the stage once per forward and backward of a micro-batch
+    forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
+
+    def logged_forward(i, *a, **kw):
+        order.append(("F", i))
+        return forward(i, *a, **kw)
+
+    def logged_backward(i, *a, **kw):
+        order.append(("B", i))
+        return backward(i, *a, **kw)
+
+    stage.forward_one_chunk, stage.backward_one_chunk = logged_forward, logged_backward
     if k == 0:
         schedule.step(x.to(ctx.device), **({"target": y.to(ctx.device)} if p == 1 else {}))
     elif k == p - 1:
@@ -110,8 +124,9 @@ def torch_pipelining(args, ctx, name, m, x, y, ours):
         schedule.step()
     for a, b in zip(ours.parameters(), theirs.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6)
-    return max((a.grad - b.grad).abs().max().item()
+    diff = max((a.grad - b.grad).abs().max().item()
                for a, b in zip(ours.parameters(), theirs.parameters()))  # fmt: skip
+    return diff, order
 
 
 def one_step(args, ctx, name, m, x, y, ref):
@@ -129,8 +144,10 @@ def one_step(args, ctx, name, m, x, y, ref):
         torch.testing.assert_close(q.grad, g, rtol=1e-5, atol=1e-6)  # NEW: equal to one process
     diff = max((q.grad - g).abs().max().item() for q, g in zip(stage.parameters(), ref_grads))
     timeline = pipeline.gather_timeline(result).relative()
-    torch_diff = torch_pipelining(args, ctx, name, m, x, y, stage)
-    ranks = gather((result.peak_in_flight, result.bytes_sent, diff, torch_diff), p)
+    torch_diff, torch_order = torch_pipelining(args, ctx, name, m, x, y, stage)
+    ours = [(a.kind, a.microbatch) for a in pipeline.schedule(name, p, m)[k]]
+    same_order = None if torch_order is None else torch_order == ours
+    ranks = gather((result.peak_in_flight, result.bytes_sent, diff, torch_diff, same_order), p)
     loss = gather(result.loss, p)[-1]
     return {
         "schedule": name, "microbatches": m,
@@ -141,6 +158,7 @@ def one_step(args, ctx, name, m, x, y, ref):
         "bytes_sent": [r[1] for r in ranks],
         "grad_diff": max(r[2] for r in ranks),
         "torch_grad_diff": None if torch_diff is None else max(r[3] for r in ranks),
+        "torch_same_order": [r[4] for r in ranks],  # per rank; None: no torch schedule
         "loss": loss, "loss_gap": abs(loss - ref_loss),
         "timeline": timeline.to_records(),
     }  # fmt: skip

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -175,6 +176,17 @@ def save_checkpoint(folder, model, opt, ctx):
     return {"saved_world_size": ctx.world_size, "files": files}
 
 
+class RecordingLoadPlanner(DefaultLoadPlanner):
+    """torch's default load planner, noting which saved pieces this rank reads from."""
+
+    def create_local_plan(self):
+        plan = super().create_local_plan()
+        # (name, first row of the saved piece) for every piece this rank's plan reads from
+        self.pieces = sorted({(item.storage_index.fqn, item.storage_index.offset[0])
+                              for item in plan.items if item.storage_index.offset})  # fmt: skip
+        return plan
+
+
 def resume_checkpoint(args, folder, ctx, mesh):
     """Load the sharded checkpoint at this world size; compare with the gathered copy."""
     model = shard_model(make_model(args, 100 + ctx.rank, ctx), mesh, True)
@@ -182,7 +194,8 @@ def resume_checkpoint(args, folder, ctx, mesh):
     before = full_parameters(model)
     model_sd, optim_sd = get_state_dict(model, opt)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=folder / "sharded")  # each rank reads the pieces it owns
+    planner = RecordingLoadPlanner()
+    dcp.load(state, checkpoint_id=folder / "sharded", planner=planner)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     got = full_state(model, opt)
     out = {"world_size": ctx.world_size, "local_numel": {}}
@@ -198,9 +211,20 @@ def resume_checkpoint(args, folder, ctx, mesh):
                       for k in before)  # fmt: skip
         out["changed_by_load"] = changed  # the fresh model was elsewhere: > 0
         out["optim_steps"] = sorted({float(s["step"]) for s in got["optim"]["state"].values()})
-    per_rank = [None] * ctx.world_size
-    dist.all_gather_object(per_rank, out["local_numel"])
-    out["local_numel"] = per_rank
+    # The model's saved pieces (first row, rows), and the ones each rank read from.
+    meta = dcp.FileSystemReader(folder / "sharded").read_metadata().state_dict_metadata
+    prefix = "model."
+    out["saved_pieces"] = {fqn[len(prefix):]: sorted((c.offsets[0], c.sizes[0]) for c in m.chunks)
+                           for fqn, m in meta.items() if fqn.startswith(prefix)}  # fmt: skip
+    read = {}
+    for fqn, row in planner.pieces:
+        if fqn.startswith(prefix):
+            read.setdefault(fqn[len(prefix) :], []).append(row)
+    out["read_pieces"] = read
+    for key in ("local_numel", "read_pieces"):  # every rank's, for rank 0 to write
+        per_rank = [None] * ctx.world_size
+        dist.all_gather_object(per_rank, out[key])
+        out[key] = per_rank
     return out
 
 

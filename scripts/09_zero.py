@@ -179,7 +179,7 @@ def main():
             log.info(f"N={r['world_size']} stage {r['stage']}: |param - DDP| {r['gap']:.1e}; "
                      f"rank 0 holds {sum(held.values()) / 1e6:.3f} MB "
                      f"(formula {sum(r['formula'].values()) / 1e6:.3f}), "
-                     f"sent {r['sent_bytes'] / 1e6:.3f} MB in a step")  # fmt: skip
+                     f"{r['sent_bytes'] / 1e6:.3f} MB into collectives in a step")  # fmt: skip
         write_results(ctx, args.results, {"world_size": ctx.world_size,
                                           "device": ctx.device.type, "steps": args.steps,
                                           "optimizer": args.optimizer, "lr": args.lr,

@@ -62,8 +62,10 @@ def test_pipeline_as_plain_python(root):
         # torch.distributed.pipelining on the same weights: equal micro-batches only.
         if name == "naive" or m == 3:
             assert run["torch_grad_diff"] is None, (name, m)
+            assert run["torch_same_order"] == [None], (name, m)
         else:
             assert run["torch_grad_diff"] <= 1e-5, (name, m)
+            assert run["torch_same_order"] == [True], (name, m)  # torch's order of F and B
         # One stage never waits for another: idle only between its own actions.
         assert run["bubbles"][0] < 0.1, (name, m)
         assert run["peak_in_flight"] == [m if name == "gpipe" else 1], name
