@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .harness import restarts
+from .harness import loopback, restarts
 
 __all__ = [
     "DEVICE_ENV",
@@ -319,6 +319,7 @@ def distributed(
             dev = torch.device("cuda", local_rank)
         torch.cuda.set_device(dev)
     name = None
+    server = None  # rank 0's store server on loopback, kept as long as the group
     if in_launcher:
         name = backend or pick_backend(dev)
         kwargs = {}
@@ -329,6 +330,11 @@ def distributed(
         store = restarts.attempt_store(kwargs.get("timeout"))
         if store is not None:
             kwargs.update(store=store, rank=rank, world_size=world_size)
+        elif rank == 0 and "MASTER_PORT" in os.environ:
+            # Without torchrun's agent store, rank 0's env:// store would listen on every
+            # interface, whatever MASTER_ADDR says; on a loopback address keep it there.
+            server = loopback.serve_on_loopback(os.environ.get("MASTER_ADDR", ""),
+                                                int(os.environ["MASTER_PORT"]))  # fmt: skip
         dist.init_process_group(backend=name, **kwargs)
     elif group_of_one:
         name = backend or pick_backend(dev)
@@ -348,6 +354,7 @@ def distributed(
             # goes away (measured: 4 aborts in 12 runs without this, 0 in 24).
             gc.collect()
             dist.destroy_process_group()
+        del server  # after the group: its store may still have used the server
 
 
 def barrier(ctx: DistContext) -> None:

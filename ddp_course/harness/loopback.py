@@ -61,6 +61,27 @@ def _loopback_tcpstore(base: type) -> type:
     return LoopbackTCPStore
 
 
+def serve_on_loopback(host: str, port: int) -> Any | None:
+    """A ``torch.distributed.TCPStore`` server at ``host:port`` listening on loopback
+    only, or None when ``host`` is not a loopback address.
+
+    Made with ``multi_tenant=True``, so the store that ``init_process_group``'s
+    ``env://`` or ``tcp://`` rendezvous then creates in this process at the same port
+    shares this server instead of starting one on every interface. The server lives as
+    long as the returned store.
+
+    Raises:
+        RuntimeError: ``port`` cannot be bound on ``host`` (another process holds it);
+            the message says so.
+    """
+    import torch.distributed as dist
+
+    if _loopback_family(host) is None:
+        return None
+    return _loopback_tcpstore(dist.TCPStore)(host, port, is_master=True,
+                                             wait_for_workers=False, multi_tenant=True)  # fmt: skip
+
+
 def main(argv: Sequence[str]) -> None:
     """torchrun's ``main`` with every TCPStore server on a loopback host bound
     to loopback, and the agent's temporary files in ``--tmpdir DIR``."""

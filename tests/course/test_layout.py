@@ -10,8 +10,10 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "ddp_course"
-# A mechanism may use the harness only for what distributed() needs under torchrun.
-MECHANISM_USES_OF_HARNESS = {("runtime", "ddp_course.harness.restarts")}
+# A mechanism may use the harness only for what distributed() needs: the restart prefix
+# under torchrun, and a store on loopback for a world started without torchrun.
+MECHANISM_USES_OF_HARNESS = {("runtime", "ddp_course.harness.restarts"),
+                             ("runtime", "ddp_course.harness.loopback")}  # fmt: skip
 
 
 def _module_name(path: pathlib.Path) -> str:

@@ -31,6 +31,7 @@ def listening(port: int) -> list[str]:
                    and c.laddr.port == port})  # fmt: skip
 
 
+@pytest.mark.listens_everywhere("shows that a plain TCPStore does")
 def test_a_plain_store_listens_on_every_interface():
     # The control: what serve_on_loopback avoids.
     port = free_port()
