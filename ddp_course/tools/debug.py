@@ -6,7 +6,8 @@ collective at fault.
 - :func:`models_differ`: parameters and buffers whose shape or value differs
   from rank 0's (a collective; every rank gets the same answer).
 - :func:`rank_processes` and :func:`py_spy_dumps`: the Python stack of every
-  rank of a running (hung) job, with ``py-spy dump --pid``.
+  rank of a running (hung) job, with ``py-spy dump --pid``; :func:`ptrace_advice`
+  says why the kernel may refuse it (Yama's ``ptrace_scope``) and what allows it.
 - :func:`dump_flight_recorder`, :func:`read_flight_recorder` and
   :func:`first_divergence`: torch's flight recorder (on by default in torch
   2.13, ``TORCH_FR_BUFFER_SIZE`` entries, 2000 unless set) written per rank in
@@ -35,6 +36,8 @@ __all__ = [
     "dump_flight_recorder",
     "first_divergence",
     "models_differ",
+    "ptrace_advice",
+    "ptrace_scope",
     "py_spy_dumps",
     "rank_processes",
     "read_flight_recorder",
@@ -140,9 +143,8 @@ def py_spy_dumps(marker: str, timeout_s: float = 30.0) -> dict[int, str]:
     Raises:
         FileNotFoundError: ``py-spy`` is not installed (``pip install py-spy``).
         LookupError: no running process matches ``marker``.
-        PermissionError: py-spy may not attach (Linux ptrace rules: run as the
-            same user with ``kernel.yama.ptrace_scope`` 0 or 1, or a container
-            started with ``--cap-add SYS_PTRACE``).
+        PermissionError: py-spy may not attach (Linux's ptrace rules); the
+            message says why and what lets it (:func:`ptrace_advice`).
     """
     exe = shutil.which("py-spy") or _next_to_python("py-spy")
     if exe is None:
@@ -159,10 +161,52 @@ def py_spy_dumps(marker: str, timeout_s: float = 30.0) -> dict[int, str]:
         if done.returncode != 0:
             message = (done.stderr or done.stdout).strip()
             if "ermission" in message or "ptrace" in message:
-                raise PermissionError(f"py-spy cannot attach to rank {rank}: {message}")
+                raise PermissionError(
+                    f"py-spy cannot attach to rank {rank}: {message}\n{ptrace_advice()}"
+                )
             raise RuntimeError(f"py-spy dump of rank {rank} failed: {message}")
         dumps[rank] = _ANSI_COLOUR.sub("", done.stdout)  # py-spy colours some terminals
     return dumps
+
+
+YAMA_PTRACE_SCOPE = pathlib.Path("/proc/sys/kernel/yama/ptrace_scope")
+
+
+def ptrace_scope() -> int | None:
+    """This kernel's ``kernel.yama.ptrace_scope`` (0 to 3), or None without Yama."""
+    try:
+        return int(YAMA_PTRACE_SCOPE.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def ptrace_advice() -> str:
+    """Why a ``py-spy dump`` of another process can be refused here, and what lets it.
+
+    Attaching needs ptrace rights over the process. A normal user has them over
+    its own processes only, and Yama narrows that further: with
+    ``ptrace_scope`` 1, Ubuntu's default, a process may attach only to its own
+    descendants, and the ranks are torchrun's children, not py-spy's (the Linux
+    kernel's Yama documentation, admin-guide/LSM/Yama). Root, or the
+    ``CAP_SYS_PTRACE`` capability, may attach unless the scope is 3.
+    """
+    scope = ptrace_scope()
+    who = "root" if os.geteuid() == 0 else "a normal user"
+    rules = {
+        None: "this kernel has no Yama ptrace_scope",
+        0: "kernel.yama.ptrace_scope is 0: any process of the same user",
+        1: "kernel.yama.ptrace_scope is 1 (Ubuntu's default): a process may attach "
+        "only to its own descendants, and the ranks are torchrun's children, not py-spy's",
+        2: "kernel.yama.ptrace_scope is 2: only with CAP_SYS_PTRACE (root)",
+        3: "kernel.yama.ptrace_scope is 3: nobody, not even root, until a reboot",
+    }
+    return (
+        f"Running as {who}; {rules.get(scope, f'kernel.yama.ptrace_scope is {scope}')}. "
+        "To let py-spy attach: run it with sudo (sudo py-spy dump --pid PID), or allow "
+        "same-user attaching until the next reboot (sudo sysctl kernel.yama.ptrace_scope=0), "
+        "or in a container start it with --cap-add SYS_PTRACE. A process of another user "
+        "needs root in any case."
+    )
 
 
 def _next_to_python(name: str) -> str | None:

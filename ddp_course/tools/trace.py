@@ -39,9 +39,12 @@ COMM_PATTERN = r"^(gloo|nccl):all_reduce$"
 BACKWARD_PATTERN = r"^autograd::engine::evaluate_function: "
 """The autograd engine's events, one per backward function run: when backward computed.
 
-Not the ``record_function("backward")`` label around ``loss.backward()``:
-that call returns only after DDP has waited for every bucket, so the label
-contains all of the communication, exposed or not."""
+Not the ``record_function("backward")`` label around ``loss.backward()``. On
+gloo that call returns only after DDP has waited for every bucket, so the label
+contains all of the communication, exposed or not. On nccl it returns once the
+all-reduces are queued on the GPU, and both the label and these events are
+host-side spans: when the GPU computed and communicated is in the CUDA kernel
+events (``ProfilerActivity.CUDA``), which this module does not read."""
 
 KEEP_PATTERN = (
     r"^(gloo|nccl):|^autograd::engine::evaluate_function: |^(forward|backward|optimizer)$"

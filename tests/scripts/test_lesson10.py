@@ -25,10 +25,12 @@ def tiny(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench10")
     trace, out = tmp / "trace.json", tmp / "tiny.json"
     args = ["all", "--tiny", "--no-progress", "--chrome-trace", str(trace), "--results", str(out)]
-    launch.torchrun(ROOT / "scripts/10_benchmark.py", args, nproc=2, echo=False, timeout_s=240)
+    job = launch.torchrun(
+        ROOT / "scripts/10_benchmark.py", args, nproc=2, echo=False, timeout_s=240
+    )
     with open(out.with_suffix(".csv"), newline="") as f:
         csv_rows = list(csv.DictReader(f))
-    return json.loads(out.read_text()), trace, csv_rows
+    return json.loads(out.read_text()), trace, csv_rows, job
 
 
 def rows(results, mode):
@@ -61,6 +63,16 @@ def test_collectives_rows_follow_the_definitions(tiny):
         )
 
 
+def test_a_bandwidth_is_printed_only_where_the_sweep_reached_half_of_it(tiny):
+    r, *_, job = tiny
+    largest = max(g["bytes"] for g in rows(r, "collectives"))
+    for name, fit in r["summary"]["collectives"]["fits"].items():
+        line = next(s for s in job.output.splitlines() if f"{name}: alpha" in s)
+        # beta > 0 and alpha / beta within the sweep (inf when beta is 0)
+        resolved = fit["bandwidth_GBps"] > 0 and fit["half_bandwidth_bytes"] <= largest
+        assert ("bandwidth not resolved" in line) != resolved, (line, fit)
+
+
 def test_scaling_tables_come_from_the_rows(tiny):
     r, *_ = tiny
     got = [g for g in rows(r, "scaling") if g["threads_per_rank"] == 1]
@@ -89,7 +101,7 @@ def test_knobs_ratios_are_of_the_rows(tiny):
         med["BucketedDDP cap=25"] / med["torch DDP cap=25"]
     )
     assert {"torch DDP cap=0.01", "torch DDP cap=1", "fp16 hook cap=25"} <= set(med)
-    assert "DataParallel vs DDP" in r["summary"]["knobs"]["skipped"]  # visible skip on CPU
+    assert set(r["summary"]["knobs"]) == {"ratios"}  # every setting ran: none is skipped
 
 
 def test_step_time_model_rows(tiny):
@@ -142,7 +154,7 @@ def test_step_time_model_rows(tiny):
 
 
 def test_trace_overlap_and_the_kept_trace(tiny):
-    r, trace, _ = tiny
+    r, trace, *_ = tiny
     got = {g["setting"]: g for g in rows(r, "trace")}
     assert set(got) == {"torch DDP cap=1", "BucketedDDP cap=1", "BucketedDDP cap=1 no overlap"}
     for g in got.values():
@@ -157,7 +169,7 @@ def test_trace_overlap_and_the_kept_trace(tiny):
 
 
 def test_csv_has_the_json_rows_and_the_command(tiny):
-    r, _, csv_rows = tiny
+    r, _, csv_rows, _ = tiny
     assert len(csv_rows) == len(r["rows"])
     assert [row["mode"] for row in csv_rows] == [row["mode"] for row in r["rows"]]
     assert {row["command"] for row in csv_rows} == {r["meta"]["command"]}

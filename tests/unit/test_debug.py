@@ -117,6 +117,62 @@ def test_py_spy_dumps_every_rank_of_a_running_job(monkeypatch):
         debug.py_spy_dumps(marker)
 
 
+def _sleeping_rank(marker):
+    code = "import time\ndef waiting_here():\n    time.sleep(60)\nwaiting_here()\n"
+    return subprocess.Popen([sys.executable, "-c", code, marker], env={"RANK": "0"})
+
+
+def test_py_spy_refused_as_a_normal_user_says_why_and_what_to_do(tmp_path, monkeypatch):
+    """What a learner without ptrace rights meets (Ubuntu: ptrace_scope 1).
+
+    As root, py-spy runs as the user nobody (setpriv), which may not attach to
+    root's process, as a normal user under ptrace_scope 1 may not attach to
+    torchrun's children. As a normal user, py-spy runs as is, and the kernel's
+    own rule decides.
+    """
+    real = debug.shutil.which("py-spy") or debug._next_to_python("py-spy")
+    if real is None:
+        pytest.skip("py-spy is not installed")
+    if os.geteuid() == 0:
+        setpriv = debug.shutil.which("setpriv")
+        if setpriv is None:
+            pytest.skip("running as root without setpriv (util-linux): cannot drop to nobody")
+        wrapper = tmp_path / "py-spy"
+        wrapper.write_text(
+            f'#!/bin/sh\nexec {setpriv} --reuid=nobody --regid=nogroup --clear-groups {real} "$@"\n'
+        )
+        wrapper.chmod(0o755)
+        monkeypatch.setattr(debug.shutil, "which", lambda name: str(wrapper))
+    elif debug.ptrace_scope() in (None, 0):
+        pytest.skip(
+            f"a normal user with ptrace_scope {debug.ptrace_scope()}: py-spy may attach to "
+            "the user's own processes, nothing is refused"
+        )
+    marker = f"debug_probe_{uuid.uuid4().hex}"
+    proc = _sleeping_rank(marker)
+    try:
+        import time
+
+        time.sleep(1.0)
+        with pytest.raises(PermissionError) as refused:
+            debug.py_spy_dumps(marker)
+    finally:
+        proc.kill()
+        proc.wait()
+    message = str(refused.value)
+    assert "cannot attach to rank 0" in message
+    assert all(w in message for w in ("sudo", "ptrace_scope=0", "--cap-add SYS_PTRACE")), message
+
+
+def test_ptrace_advice_names_the_kernel_rule(monkeypatch, tmp_path):
+    scope_file = tmp_path / "ptrace_scope"
+    monkeypatch.setattr(debug, "YAMA_PTRACE_SCOPE", scope_file)
+    assert debug.ptrace_scope() is None and "no Yama" in debug.ptrace_advice()
+    scope_file.write_text("1\n")
+    assert debug.ptrace_scope() == 1
+    assert "only to its own descendants" in debug.ptrace_advice()
+
+
 @pytest.mark.skipif(
     tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13),
     reason="the default checked here is torch 2.13's",
