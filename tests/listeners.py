@@ -10,6 +10,8 @@ process and its descendants (a notebook's kernel and the jobs it launches includ
 A listener that lives shorter than one period can be missed; the course's jobs run for
 seconds.
 
+Slurm's daemons (``slurmctld``, ``slurmd``, which lesson 11 starts) are left out: they
+listen on every interface by design, to serve other hosts, and have no setting to narrow it.
 A cell that shows an all-interfaces listener on purpose (lesson 03's bare ``TCPStore``,
 lesson 05's ``torch.distributed.launch``) carries the comment :data:`ON_PURPOSE`; a test
 does so with ``@pytest.mark.listens_everywhere``. Network namespaces (lesson 11) have
@@ -33,6 +35,7 @@ PERIOD_S = 0.2
 ON_PURPOSE = "listens on every interface, on purpose"
 TABLES = (pathlib.Path("/proc/net/tcp"), pathlib.Path("/proc/net/tcp6"))
 LISTEN = "0A"
+CLUSTER_DAEMONS = frozenset({"slurmctld", "slurmd"})
 
 
 def _address(hex_ip: str) -> str:
@@ -115,6 +118,11 @@ class ListenerWatch:
             return
         now = time.monotonic()
         for proc in tree:
+            try:
+                if proc.name() in CLUSTER_DAEMONS:
+                    continue
+            except psutil.Error:
+                continue
             for inode in socket_inodes(proc.pid) & listening.keys():
                 try:
                     command = " ".join(proc.cmdline()[:4])
