@@ -126,7 +126,7 @@ def test_a_daemon_that_cannot_start_is_a_clear_error(monkeypatch):
         pytest.skip("needs root and the Slurm packages")
     # The controller's port already taken by someone else: slurmctld cannot listen.
     with socket.socket() as taken:
-        taken.bind(("0.0.0.0", 0))
+        taken.bind(("127.0.0.1", 0))  # overlaps slurmctld's 0.0.0.0
         taken.listen()
         port = taken.getsockname()[1]
         ports = iter([port])  # the controller's port first, then free ones
