@@ -79,6 +79,7 @@ def test_sbatch_trains_on_slurm_and_a_requeued_job_resumes(cluster, tmp_path):
     assert run["epochs_done"] == 1 and run["resumed_from"] is None
     assert run["test_accuracy"] > 0.5  # trained: ten classes guess at 0.1
     assert "Slurm restart 0: 1 node(s)" in first.output
+    assert "Setting OMP_NUM_THREADS" not in first.output  # the script sets the threads itself
     snapshot = tmp_path / f"job-{job}.pt"
     assert snapshot.exists()  # named by the job id, on the folder given as shared storage
 
@@ -162,3 +163,22 @@ def test_the_sbatch_device_rule_is_the_course_rule(gpus, nproc):
     expected_ranks = nproc or (gpus or 2)  # default: one rank per GPU, 2 CPU ranks without
     assert ranks == expected_ranks
     assert device == device_plan(expected_ranks, gpus or 0).device_type
+
+
+@pytest.mark.parametrize(
+    ("cpus", "nproc", "preset", "threads"),
+    [(None, 2, None, 1), (64, 8, None, 8), (4, 8, None, 1), (64, 8, "3", 3)],
+)
+def test_the_sbatch_threads_per_rank_share_the_task_cpus(cpus, nproc, preset, threads):
+    lines = SBATCH.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("cpus="))
+    end = next(i for i, line in enumerate(lines) if line.startswith("export OMP_NUM_THREADS"))
+    snippet = "\n".join([f"nproc={nproc}", *lines[start : end + 1], 'echo "$OMP_NUM_THREADS"'])
+    env = {"PATH": os.environ["PATH"]}
+    if cpus is not None:
+        env["SLURM_CPUS_PER_TASK"] = str(cpus)
+    if preset is not None:
+        env["OMP_NUM_THREADS"] = preset
+    out = subprocess.run(["bash", "-euc", snippet], env=env, capture_output=True, text=True,
+                         timeout=10, check=True).stdout  # fmt: skip
+    assert int(out) == threads
