@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional
 
+from .mesh_collectives import comm_debug_counts, expected_collectives
 from .models import TinyGPT
 
 __all__ = [
@@ -300,8 +301,12 @@ def apply_data_parallel(
 ):  # fmt: skip
     """Wrap ``model`` for the layout's data parallelism over ``mesh`` (see :func:`build_mesh`).
 
-    ``"ddp"``: ``DistributedDataParallel`` over the ``replicate`` dimension's group.
-    ``"fsdp"``: ``fully_shard`` on each block, then on the root, over ``mesh["shard"]``.
+    ``"ddp"``: ``DistributedDataParallel`` over the ``replicate`` dimension's group, with
+    ``gradient_as_bucket_view=True`` (the gradients live in its buckets: no second copy).
+    ``"fsdp"``: ``fully_shard`` on each block, then on the root, over ``mesh["shard"]``;
+    the blocks take ``reshard_after_forward``, the root PyTorch's default (``None``: kept
+    gathered after forward, since backward starts with it; TorchTitan does the same) or
+    ``False`` with ``reshard_after_forward=False``.
     ``"hsdp"``: the same over the 2-D ``mesh["replicate", "shard"]``: parameters sharded
     within a replica group, gradients reduce-scattered there and all-reduced across replicas.
 
@@ -326,7 +331,8 @@ def apply_data_parallel(
         if lay.tp > 1:
             raise ValueError("DDP of DTensor parameters is not supported here: use fsdp with tp")
         group = mesh["replicate"].get_group()
-        return DistributedDataParallel(model, process_group=group)
+        # Gradients as views into DDP's buckets: one copy of them, not two (lesson 07).
+        return DistributedDataParallel(model, process_group=group, gradient_as_bucket_view=True)
     sub = mesh["replicate", "shard"] if lay.data == "hsdp" else mesh["shard"]
     kw = {"mesh": sub, "reshard_after_forward": reshard_after_forward}
     if param_dtype is not None:
@@ -334,7 +340,8 @@ def apply_data_parallel(
     blocks = model.blocks.values() if isinstance(model.blocks, nn.ModuleDict) else model.blocks
     for block in blocks:
         fully_shard(block, **kw)
-    fully_shard(model, **kw)
+    # The root: None lets FSDP2 keep it gathered (True would gather it again at once).
+    fully_shard(model, **{**kw, "reshard_after_forward": None if reshard_after_forward else False})
     return model
 
 
@@ -358,6 +365,7 @@ class GPTStage(nn.Module):
         is_first, is_last = first == 0, last == n_layers
         self.tok_emb = model.tok_emb if is_first else None
         self.pos_emb = model.pos_emb if is_first else None
+        self.drop = model.drop if is_first else None  # the embeddings' dropout, as in TinyGPT
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in range(first, last)})
         self.ln_f = model.ln_f if is_last else None
         self.head = model.head if is_last else None
@@ -365,7 +373,7 @@ class GPTStage(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tok_emb is not None:
             positions = torch.arange(x.shape[1], device=x.device)
-            x = self.tok_emb(x) + self.pos_emb(positions)
+            x = self.drop(self.tok_emb(x) + self.pos_emb(positions))
         for block in self.blocks.values():
             x = block(x)
         if self.head is not None:
@@ -613,73 +621,3 @@ class MeshModel:
             name = name.removeprefix("module.")
             out[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
         return out
-
-
-# The torch.distributed calls FSDP2 and our own code make (FSDP2 calls the *_single
-# ones on torch 2.10+, all_gather_into_tensor / reduce_scatter_tensor before).
-def expected_collectives(lay: Layout, n_layers: int, reshard_after_forward: bool = True) -> dict:
-    """Collectives of one training step of TinyGPT per mesh dimension, from the layout.
-
-    Per step, with ``L`` blocks, FSDP2 units = the ``L`` blocks and the root
-    (embeddings, final LayerNorm, head), and tensor-parallel plans as in
-    :func:`apply_tensor_parallel` (loss on vocabulary shards):
-
-    - ``shard`` (FSDP2): one all-gather per unit in forward, one again in backward
-      when ``reshard_after_forward`` (this PyTorch reshards the root too), one
-      reduce-scatter of gradients per unit: ``2(L+1)`` or ``L+1`` all-gathers,
-      ``L+1`` reduce-scatters;
-    - ``tp`` without sequence parallelism: forward, one all-reduce per row-parallel
-      layer (proj, fc2): ``2L``; backward, one all-reduce of the input gradient per
-      column-parallel layer whose input is replicated (q, k, v, fc1, each on its
-      own: ``4L``, Megatron-LM's fused f would make it ``2L``) and the head: ``4L+1``;
-      the vocabulary-parallel cross-entropy: 3 all-reduces (the max, the sum of
-      exponentials, the target's logit);
-    - ``tp`` with sequence parallelism: all-reduces become a reduce-scatter
-      (forward, proj and fc2: ``2L``) and an all-gather (forward, before attention,
-      the MLP and the head: ``2L+1``); backward swaps them (``2L+1``
-      reduce-scatters, ``2L+1`` all-gathers: ``2L`` conjugates and one for the
-      first block's sequence slice), and the LayerNorms' replicated weights and
-      biases get their partial gradients all-reduced: ``2(2L+1)``.
-
-    Returns:
-        ``{"forward": {...}, "backward": {...}, "loss": {...}}``, each
-        ``{"<collective> <dimension>": calls}`` with collectives named
-        ``all_gather``, ``reduce_scatter``, ``all_reduce`` and dimensions
-        ``shard``, ``tp``; counts of 0 left out.
-    """
-    fwd, bwd, loss = {}, {}, {}
-    if lay.data in ("fsdp", "hsdp") and lay.shape[2] > 1:
-        units = n_layers // lay.pp + 1
-        fwd["all_gather shard"] = units
-        if reshard_after_forward:
-            bwd["all_gather shard"] = units
-        bwd["reduce_scatter shard"] = units
-    if lay.tp > 1:
-        layers = n_layers // lay.pp
-        loss["all_reduce tp"] = 3
-        if lay.sequence_parallel:
-            fwd["all_gather tp"] = 2 * layers + 1
-            fwd["reduce_scatter tp"] = 2 * layers
-            bwd["all_gather tp"] = 2 * layers + 1
-            bwd["reduce_scatter tp"] = 2 * layers + 1
-            bwd["all_reduce tp"] = 2 * (2 * layers + 1)
-        else:
-            fwd["all_reduce tp"] = 2 * layers
-            bwd["all_reduce tp"] = 4 * layers + 1
-    return {"forward": fwd, "backward": bwd, "loss": loss}
-
-
-def comm_debug_counts(mode, dimension: str = "tp") -> dict[str, int]:
-    """``CommDebugMode`` counts of DTensor's functional collectives, keyed like
-    :func:`expected_collectives` (``"all_reduce tp"``), all on ``dimension`` (DTensor's
-    collectives here are tensor parallelism's). FSDP2's ``c10d`` calls are left out:
-    :class:`ddp_course.comm_cost.CollectiveLog` logs those.
-    """
-    out = {}
-    for op, n in mode.get_comm_counts().items():
-        name = str(op)
-        if "functional" not in name:
-            continue
-        short = name.split(".")[-1].removesuffix("_into_tensor").removesuffix("_tensor")
-        out[f"{short} {dimension}"] = out.get(f"{short} {dimension}", 0) + n
-    return out

@@ -15,9 +15,20 @@ new conjugate operators replace Megatron's f and g at the borders:
 - g-bar (:func:`reduce_scatter_to_sequence`), out of it: reduce-scatter
   along the sequence in forward, all-gather in backward.
 
-A ring all-reduce *is* a reduce-scatter followed by an all-gather, so the
-bytes on the wire stay those of tensor parallelism (section 4.2.2), while
-the activations of the LayerNorm and dropout regions shrink N times.
+A ring all-reduce *is* a reduce-scatter followed by an all-gather, so in
+forward the bytes on the wire stay those of tensor parallelism (section
+4.2.2), while the activations of the LayerNorm and dropout regions shrink N
+times.
+
+The column-parallel layers after g need the whole ``[B, T, d]`` input, and
+autograd would keep it for their weight gradients: g alone saves the
+gathered tensor, N times this rank's shard. Megatron-LM fuses g with the
+layer (``LinearWithGradAccumulationAndAsyncCommunication`` with
+``sequence_parallel``): forward saves only this rank's shard, and backward
+all-gathers it again for the weight gradient (:class:`GatherLinear`). One
+more all-gather per column-parallel input in backward buys a block in which
+no ``[B, T, d]`` activation is kept: Korthikanti et al.'s sbh·34/t per layer
+(section 4.2.2, table 2) instead of TP's sbh(10 + 24/t).
 
 The price: parameters used inside a sharded region (the LayerNorm weights
 and biases, the row-parallel biases added after g-bar) are replicated but
@@ -42,27 +53,34 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn import functional
 
 from .tensor_parallel import (
     ColumnParallelLinear,
     ParallelAttention,
     ParallelFeedForward,
+    ParallelRNG,
     RowParallelLinear,
     gather_shards,
+    region_seed,
 )
 
 __all__ = [
     "GatherFromSequence",
+    "GatherLinear",
     "ParallelBlock",
     "ParallelGPT",
     "ReduceScatterToSequence",
     "all_reduce_sequence_parallel_grads",
     "gather_from_sequence",
     "gather_full_state",
+    "gather_linear",
     "gather_to_replicated",
     "reduce_scatter_to_sequence",
+    "dropout_masks",
     "region_seed",
     "saved_activation_bytes",
+    "saved_block_bytes_formula",
     "scatter_to_sequence",
     "sequence_parallel_parameters",
 ]
@@ -233,6 +251,61 @@ def gather_to_replicated(x: torch.Tensor, group: dist.ProcessGroup | None = None
     return _GatherToReplicated.apply(x, group)
 
 
+class GatherLinear(torch.autograd.Function):
+    """g fused with the column-parallel layers after it; only the sequence shard is saved.
+
+    Forward: all-gather this rank's ``x`` ``[B, T/N, d]`` along the sequence
+    into ``[B, T, d]`` and apply each column-parallel shard to it:
+    ``linear(x_full, W_i, b_i)``, ``[B, T, out_i]``. Only ``x`` and the weights
+    are saved. Backward: all-gather ``x`` again (the weight gradient
+    ``dL/dW_i = dY_i^T x_full`` needs every position), sum the input
+    gradients of the layers ``dY_i W_i`` and reduce-scatter that sum (one
+    reduce-scatter for all layers, as one g). Megatron-LM,
+    ``LinearWithGradAccumulationAndAsyncCommunication`` with
+    ``sequence_parallel=True`` (Korthikanti et al. 2022, section 4.2.2),
+    without its overlap of the re-gather with the input-gradient matmul.
+
+    Call it through :func:`gather_linear`.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None, *params):
+        weights, biases = params[0::2], params[1::2]
+        ctx.group, ctx.has_bias = group, [b is not None for b in biases]
+        full = _all_gather_seq(x, group)
+        ctx.save_for_backward(x, *weights)  # the shard: N times smaller than full
+        return tuple(functional.linear(full, w, b) for w, b in zip(weights, biases))
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        x, *weights = ctx.saved_tensors
+        full = _all_gather_seq(x, ctx.group).flatten(0, -2)  # again, [B T, d]
+        grad_full = sum(g @ w for g, w in zip(grads, weights))  # [B, T, d]
+        out = [_reduce_scatter_seq(grad_full, ctx.group), None]
+        for g, has_bias in zip(grads, ctx.has_bias):
+            g = g.flatten(0, -2)  # [B T, out_i]
+            out += [g.transpose(0, 1) @ full, g.sum(0) if has_bias else None]
+        return tuple(out)
+
+
+def gather_linear(
+    x: torch.Tensor,
+    layers: list[ColumnParallelLinear],
+    group: dist.ProcessGroup | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """g, then each column-parallel layer: ``[B, T/N, d]`` -> ``[B, T, out_i/N]`` each.
+
+    The layers' forward is not called (it would apply f): their shards'
+    weights and biases are. Saves only ``x`` for backward (:class:`GatherLinear`).
+
+    Raises:
+        RuntimeError: no process group has been created.
+    """
+    _world(group)
+    params = [t for layer in layers for t in (layer.weight, layer.bias)]
+    return GatherLinear.apply(x, group, *params)
+
+
 class ParallelBlock(nn.Module):
     """A pre-LayerNorm Transformer block split over N tensor-parallel ranks.
 
@@ -246,13 +319,16 @@ class ParallelBlock(nn.Module):
       ``[B, T, d]`` forward (g after attention and MLP) and 2 backward (f).
     - ``sequence_parallel=True`` (Korthikanti et al. 2022, section 4.2.2,
       figure 5): input and output this rank's ``[B, T/N, d]``; LayerNorms,
-      dropouts and residual additions act on it; per call 2 all-gathers (g)
-      and 2 reduce-scatters (g-bar) of ``[B, T, d]`` forward, and the
-      reverse backward. After backward, call
-      :func:`all_reduce_sequence_parallel_grads`.
+      dropouts and residual additions act on it; per call 2 all-gathers (g,
+      fused with q/k/v and with fc1: :class:`GatherLinear`) and 2
+      reduce-scatters (g-bar) of ``[B, T, d]`` forward; backward 2
+      reduce-scatters (g), 2 all-gathers (g-bar) and 2 all-gathers that
+      rebuild the inputs of q/k/v and fc1 for their weight gradients. After
+      backward, call :func:`all_reduce_sequence_parallel_grads`.
 
-    Dropout uses the global generator: in a sharded region each rank must
-    draw different numbers (see :func:`region_seed`).
+    Dropout on this rank's heads, and under sequence parallelism on its
+    positions, draws from ``rng`` (:class:`ParallelRNG`, different on every
+    rank); dropout on a replicated ``[B, T, d]`` from the default generator.
 
     Args:
         block: the whole block.
@@ -260,6 +336,8 @@ class ParallelBlock(nn.Module):
         world_size: number of tensor-parallel ranks N.
         group: the tensor-parallel process group (default: the whole job).
         sequence_parallel: shard the LayerNorm and dropout regions along T.
+        rng: the sharded regions' random state, one per model (default: a
+            new ``ParallelRNG(rank=rank)``).
 
     Raises:
         ValueError: heads or hidden features not divisible by N (here), or
@@ -273,12 +351,13 @@ class ParallelBlock(nn.Module):
         world_size: int,
         group: dist.ProcessGroup | None = None,
         sequence_parallel: bool = False,
+        rng: ParallelRNG | None = None,
     ):
         super().__init__()
         self.sequence_parallel, self.group = sequence_parallel, group
         self.world_size = world_size
         self.ln1 = copy.deepcopy(block.ln1)
-        self.attn = ParallelAttention(block.attn, rank, world_size, group)
+        self.attn = ParallelAttention(block.attn, rank, world_size, group, rng)
         self.ln2 = copy.deepcopy(block.ln2)
         self.mlp = ParallelFeedForward(block.mlp, rank, world_size, group)
         self.drop = copy.deepcopy(block.drop)
@@ -287,12 +366,17 @@ class ParallelBlock(nn.Module):
         if not self.sequence_parallel or self.world_size == 1:
             x = x + self.attn(self.ln1(x))
             return x + self.drop(self.mlp(self.ln2(x)))
-        h = gather_from_sequence(self.ln1(x), self.group)  # g
-        h = reduce_scatter_to_sequence(self.attn.partial_sum(h), self.group)  # g-bar
-        x = x + self.attn.drop(h + self.attn.proj.bias)
-        h = gather_from_sequence(self.ln2(x), self.group)
-        h = reduce_scatter_to_sequence(self.mlp.partial_sum(h), self.group)
-        return x + self.drop(h + self.mlp.fc2.bias)
+        attn, mlp = self.attn, self.mlp
+        # g fused with q, k, v: [B, T/N, d] in, only that shard saved for backward.
+        q, k, v = gather_linear(self.ln1(x), [attn.q, attn.k, attn.v], self.group)
+        h = reduce_scatter_to_sequence(attn.heads_partial_sum(q, k, v), self.group)  # g-bar
+        with attn.sharded_rng(x.device):  # this rank's positions: masks differ across ranks
+            x = x + attn.drop(h + attn.proj.bias)
+        (h,) = gather_linear(self.ln2(x), [mlp.fc1], self.group)
+        h = functional.linear(mlp.act(h), mlp.fc2.weight)
+        h = reduce_scatter_to_sequence(h, self.group)
+        with attn.sharded_rng(x.device):
+            return x + self.drop(h + mlp.fc2.bias)
 
 
 def sequence_parallel_parameters(module: nn.Module) -> list[nn.Parameter]:
@@ -349,6 +433,10 @@ class ParallelGPT(nn.Module):
     (:func:`gather_to_replicated`). Input ``int64 [B, T]``, equal on every
     rank; output logits ``[B, T, V]``, equal on every rank. Parameter names
     are TinyGPT's, so :func:`gather_full_state` compares with it key by key.
+    Every block draws its sharded regions' dropout from one ``rng``
+    (:class:`ParallelRNG`; default ``ParallelRNG(rank=rank)``, seeded from
+    the default generator's seed), the embeddings' dropout (replicated) from
+    the default generator.
 
     Raises:
         ValueError: as :class:`ParallelBlock`; an input longer than ``seq_len``.
@@ -361,14 +449,17 @@ class ParallelGPT(nn.Module):
         world_size: int,
         group: dist.ProcessGroup | None = None,
         sequence_parallel: bool = False,
+        rng: ParallelRNG | None = None,
     ):
         super().__init__()
         self.seq_len, self.group = model.seq_len, group
+        self.rng = ParallelRNG(rank=rank) if rng is None else rng
         self.sequence_parallel = sequence_parallel and world_size > 1
         self.tok_emb, self.pos_emb = copy.deepcopy(model.tok_emb), copy.deepcopy(model.pos_emb)
         self.drop = copy.deepcopy(model.drop)
         self.blocks = nn.ModuleList(
-            ParallelBlock(b, rank, world_size, group, sequence_parallel) for b in model.blocks
+            ParallelBlock(b, rank, world_size, group, sequence_parallel, self.rng)
+            for b in model.blocks
         )
         self.ln_f, self.head = copy.deepcopy(model.ln_f), copy.deepcopy(model.head)
 
@@ -426,21 +517,27 @@ def gather_full_state(
 
 
 @contextlib.contextmanager
-def saved_activation_bytes(modules: list[nn.Module], out: dict[str, int]) -> Iterator[None]:
+def saved_activation_bytes(modules: list[nn.Module], out: dict) -> Iterator[None]:
     """Add to ``out["bytes"]`` the bytes autograd saves for backward inside ``modules``' forward.
 
     Counts every tensor packed by ``torch.autograd.graph.saved_tensors_hooks``
     while one of ``modules`` runs its forward, except the modules'
-    parameters (weights are not activations). For a LayerNorm over
-    ``[B, t, d]``: its input ``B t d`` elements plus its mean and reciprocal
-    standard deviation, ``B t`` each.
+    parameters (weights are not activations), each storage once (q, k and v
+    saving the same input keep one tensor alive, not three). For a LayerNorm
+    over ``[B, t, d]``: its input ``B t d`` elements plus its mean and
+    reciprocal standard deviation, ``B t`` each. ``out["shapes"]`` gets the
+    shape of each counted tensor, a list.
     """
     depth = [0]
     param_ptrs = {p.data_ptr() for m in modules for p in m.parameters()}
+    seen = set()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if depth[0] and t.data_ptr() not in param_ptrs:
+        key = (t.data_ptr(), t.numel(), t.dtype)
+        if depth[0] and t.data_ptr() not in param_ptrs and key not in seen:
+            seen.add(key)
             out["bytes"] = out.get("bytes", 0) + t.numel() * t.element_size()
+            out.setdefault("shapes", []).append(list(t.shape))
         return t
 
     def enter(*_):
@@ -459,16 +556,77 @@ def saved_activation_bytes(modules: list[nn.Module], out: dict[str, int]) -> Ite
             h.remove()
 
 
-def region_seed(seed: int, rank: int, sharded: bool) -> int:
-    """The seed for dropout in a replicated (``sharded=False``) or sharded region.
+def saved_block_bytes_formula(
+    batch: int, seq: int, d_model: int, heads: int, world_size: int,
+    sequence_parallel: bool, element_size: int = 8, mask_size: int | None = None,
+) -> int:  # fmt: skip
+    """Bytes one rank's :class:`ParallelBlock` saves for backward (dropout > 0, ``flash=False``).
 
-    Replicated regions (the residual branch under plain tensor parallelism)
-    hold the same tensor on every tensor-parallel rank, so their dropout
-    masks must agree: the same seed on every rank. Sharded regions (this
-    rank's heads, or its part of the sequence under sequence parallelism)
-    hold different elements, so their masks must differ: an offset per rank.
-    Megatron-LM keeps the two as separate RNG states (its
-    ``model_parallel_cuda_manual_seed``: ``seed + 2718 + tp_rank`` for the
-    parallel one); this function gives the seeds.
+    Korthikanti et al. 2022, section 4 and table 2, count per layer, with
+    s = T, b = B, h = d, a heads, t = N, 2-byte activations and 1-byte
+    dropout masks: ``sbh(10 + 24/t) + 5as²b/t`` under tensor parallelism and
+    ``sbh·34/t + 5as²b/t`` with sequence parallelism. With ``e``-byte
+    activations and ``m``-byte masks the same terms are: replicated
+    ``sbh(4e + 2m)`` (the inputs of the two LayerNorms, of q/k/v and of fc1;
+    two dropout masks), split ``12e·sbh`` (q, k, v, the projection's input;
+    GELU's input, fc2's input) and ``(2e + m)as²b`` (softmax output, its
+    dropout mask and output), and, not in the paper, the LayerNorms' mean
+    and reciprocal standard deviation ``4e·sb`` (replicated) and the causal
+    mask, ``s²`` bytes (bool, the same for every sample). Sequence
+    parallelism divides the replicated terms by t as well. With e = 2, m = 1
+    the sbh terms are the paper's 10 + 24/t and 34/t.
+
+    Args:
+        element_size: bytes per activation element (8 for float64).
+        mask_size: bytes per dropout-mask element: 1 where dropout runs
+            PyTorch's fused kernel (CUDA: a bool mask); on the CPU dropout
+            multiplies by a scaled mask in the activations' dtype, so the
+            default is ``element_size``.
+
+    Returns:
+        Bytes per rank.
     """
-    return seed + 2718 + rank if sharded else seed
+    e, t = element_size, world_size
+    m = e if mask_size is None else mask_size
+    sbh, as2b, sb = seq * batch * d_model, heads * seq * seq * batch, seq * batch
+    replicated = (4 * e + 2 * m) * sbh + 4 * e * sb
+    split = 12 * e * sbh + (2 * e + m) * as2b
+    if sequence_parallel and t > 1:
+        return (replicated + split) // t + seq * seq
+    return replicated + split // t + seq * seq
+
+
+@contextlib.contextmanager
+def dropout_masks() -> Iterator[list[torch.Tensor]]:
+    """Record where every dropout call drops, in call order.
+
+    Wraps ``torch.nn.functional.dropout`` (which ``nn.Dropout`` and
+    :class:`ParallelAttention` call; not the dropout inside
+    ``scaled_dot_product_attention``). Each call with ``p > 0`` in training
+    appends a bool tensor of the input's shape, True where an element is
+    dropped: the call is made once on a tensor of ones, the generator's state
+    put back, and once on the input, so the recorded mask is the one the
+    input gets (even where the input is already zero) and the random stream
+    is the same as without recording.
+    """
+    masks: list[torch.Tensor] = []
+    original = functional.dropout
+
+    def recording(input, p=0.5, training=True, inplace=False):
+        if not training or p <= 0:
+            return original(input, p, training, inplace)
+        if input.device.type == "cuda":
+            state = torch.cuda.get_rng_state(input.device)
+            masks.append(original(torch.ones_like(input), p, True) == 0)
+            torch.cuda.set_rng_state(state, input.device)
+        else:
+            state = torch.get_rng_state()
+            masks.append(original(torch.ones_like(input), p, True) == 0)
+            torch.set_rng_state(state)
+        return original(input, p, training, inplace)
+
+    functional.dropout = recording
+    try:
+        yield masks
+    finally:
+        functional.dropout = original

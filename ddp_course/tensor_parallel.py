@@ -34,6 +34,12 @@ each rank and a row-parallel output projection, with f once before and g
 once after (notebook 13). Sequence parallelism, which also shards the
 LayerNorm and dropout regions, is :mod:`ddp_course.sequence_parallel`.
 
+Random numbers: dropout on a rank's own heads must draw a different mask on
+every rank, dropout on a replicated tensor the same mask. :class:`ParallelRNG`
+keeps a second generator state per rank for the first, the global generator
+(seeded alike on every rank) serves the second, as Megatron-LM's
+``model_parallel_cuda_manual_seed`` and ``get_cuda_rng_tracker().fork()`` do.
+
 PyTorch ships the same split as ``ColwiseParallel`` / ``RowwiseParallel``
 plans for ``torch.distributed.tensor.parallel.parallelize_module``
 (https://pytorch.org/docs/stable/distributed.tensor.parallel.html).
@@ -41,7 +47,9 @@ plans for ``torch.distributed.tensor.parallel.parallelize_module``
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -56,11 +64,13 @@ __all__ = [
     "FeedForward",
     "ParallelAttention",
     "ParallelFeedForward",
+    "ParallelRNG",
     "ReduceFromParallel",
     "RowParallelLinear",
     "copy_to_parallel",
     "gather_shards",
     "reduce_from_parallel",
+    "region_seed",
 ]
 
 
@@ -169,6 +179,79 @@ def _check_group(rank: int, world_size: int, group: dist.ProcessGroup | None) ->
                 f"rank={rank}, world_size={world_size} do not match the process group "
                 f"(rank {actual[0]} of {actual[1]}): pass ctx.rank and ctx.world_size"
             )
+
+
+def region_seed(seed: int, rank: int, sharded: bool) -> int:
+    """The seed for dropout in a replicated (``sharded=False``) or sharded region.
+
+    Replicated regions (the residual branch under plain tensor parallelism)
+    hold the same tensor on every tensor-parallel rank, so their dropout
+    masks must agree: the same seed on every rank. Sharded regions (this
+    rank's heads, or its part of the sequence under sequence parallelism)
+    hold different elements, so their masks must differ: an offset per rank.
+    Megatron-LM's ``model_parallel_cuda_manual_seed`` uses ``seed + 2718 +
+    tp_rank`` for the parallel state. Seed a *state* once with it
+    (:class:`ParallelRNG`): re-seeding before every dropout would repeat the
+    same mask at every step.
+    """
+    return seed + 2718 + rank if sharded else seed
+
+
+class ParallelRNG:
+    """The random-number state of the sharded regions of one tensor-parallel rank.
+
+    Megatron-LM's RNG tracker (``tensor_parallel/random.py``,
+    ``get_cuda_rng_tracker().fork()``), for CPU and CUDA: a generator state
+    seeded once with ``region_seed(seed, rank, sharded=True)``, different on
+    every rank. Inside :meth:`fork` the device's default generator draws from
+    it; on leaving, the state it reached is kept (so the next step draws new
+    numbers) and the default generator gets back its own state, untouched (so
+    the replicated regions, drawn from the default generator seeded alike on
+    every rank, still agree across the ranks).
+
+    Args:
+        seed: the job's seed, the same on every rank (default: the default
+            generator's ``torch.initial_seed()``, which ``torch.manual_seed``
+            set alike on every rank).
+        rank: this rank in the tensor-parallel group. Giving every rank the
+            same ``rank`` reproduces the mistake: the same mask on every shard.
+    """
+
+    def __init__(self, seed: int | None = None, rank: int = 0):
+        self.seed = torch.initial_seed() if seed is None else seed
+        self.rank = rank
+        self.states: dict[str, torch.Tensor] = {}  # per device, e.g. "cpu", "cuda:0"
+
+    @contextlib.contextmanager
+    def fork(self, device: torch.device | str = "cpu") -> Iterator[None]:
+        """Draw random numbers on ``device`` from this rank's sharded-region state.
+
+        Raises:
+            RuntimeError: ``device`` is a CUDA device and CUDA is not available.
+        """
+        device = torch.device(device)
+        if device.type == "cuda":
+            index = torch.cuda.current_device() if device.index is None else device.index
+            key = f"cuda:{index}"
+
+            def get() -> torch.Tensor:
+                return torch.cuda.get_rng_state(index)
+
+            def put(state: torch.Tensor) -> None:
+                torch.cuda.set_rng_state(state, index)
+        else:
+            key, get, put = "cpu", torch.get_rng_state, torch.set_rng_state
+        if key not in self.states:
+            gen = torch.Generator(device=key)
+            gen.manual_seed(region_seed(self.seed, self.rank, sharded=True))
+            self.states[key] = gen.get_state()
+        outer = get()
+        put(self.states[key])
+        try:
+            yield
+        finally:
+            self.states[key] = get()
+            put(outer)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -377,14 +460,17 @@ class ParallelAttention(nn.Module):
     shards ``[d/N, d]``, ``proj`` a :class:`RowParallelLinear` shard
     ``[d, d/N]`` with the whole bias. Input and output ``[B, T, d]``, equal on
     every rank, in the weights' dtype. Attention-weight dropout acts on this
-    rank's heads: its random numbers must differ across ranks; the output
-    dropout acts on the replicated output: its random numbers must agree.
+    rank's heads: it draws from ``rng`` (:class:`ParallelRNG`), different on
+    every rank; the output dropout acts on the replicated output: it draws
+    from the default generator, the same on every rank.
 
     Args:
         attn: the whole attention module.
         rank: this rank in the tensor-parallel group.
         world_size: number of tensor-parallel ranks N.
         group: the tensor-parallel process group (default: the whole job).
+        rng: the sharded regions' random state, shared by every module of one
+            model (default: a new ``ParallelRNG(rank=rank)``).
 
     Raises:
         ValueError: the number of heads is not divisible by N, or rank and
@@ -397,6 +483,7 @@ class ParallelAttention(nn.Module):
         rank: int,
         world_size: int,
         group: dist.ProcessGroup | None = None,
+        rng: ParallelRNG | None = None,
     ):
         super().__init__()
         heads = attn.q.out_features // attn.head_dim
@@ -413,6 +500,12 @@ class ParallelAttention(nn.Module):
         self.v = ColumnParallelLinear(attn.v, rank, world_size, group)
         self.proj = RowParallelLinear(attn.proj, rank, world_size, group)
         self.drop = nn.Dropout(attn.dropout)
+        self.rng = ParallelRNG(rank=rank) if rng is None else rng
+
+    def sharded_rng(self, device: torch.device) -> contextlib.AbstractContextManager:
+        """Where dropout acts on this rank's own part: :meth:`ParallelRNG.fork`
+        with more than one rank; the default generator with one (the plain module)."""
+        return self.rng.fork(device) if self.world_size > 1 else contextlib.nullcontext()
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq = x.shape[:2]
@@ -426,19 +519,30 @@ class ParallelAttention(nn.Module):
         """
         # The shards' weights, not the layers' forward: each ColumnParallelLinear
         # would apply f itself, three all-reduces in backward where one suffices.
-        q = self._heads(functional.linear(x, self.q.weight, self.q.bias))
-        k = self._heads(functional.linear(x, self.k.weight, self.k.bias))
-        v = self._heads(functional.linear(x, self.v.weight, self.v.bias))
+        q = functional.linear(x, self.q.weight, self.q.bias)
+        k = functional.linear(x, self.k.weight, self.k.bias)
+        v = functional.linear(x, self.v.weight, self.v.bias)
+        return self.heads_partial_sum(q, k, v)
+
+    def heads_partial_sum(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Attention of this rank's heads from their q, k, v ``[B, T, d/N]``, projected:
+        the partial sum ``[B, T, d]`` (no projection bias), as :meth:`partial_sum`."""
+        batch, seq = q.shape[:2]
+        q, k, v = self._heads(q), self._heads(k), self._heads(v)
         p = self.dropout if self.training else 0.0
+        # This rank's heads: their dropout masks must differ from the other ranks'.
+        rng = self.sharded_rng(q.device) if p > 0 else contextlib.nullcontext()
         if self.flash:
-            y = functional.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            with rng:
+                y = functional.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         else:
             seq = q.shape[-2]
             scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)
-            mask = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
+            mask = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
             probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
-            y = functional.dropout(probs, p) @ v
-        batch, seq = x.shape[:2]
+            with rng:
+                probs = functional.dropout(probs, p)
+            y = probs @ v
         return functional.linear(y.transpose(1, 2).reshape(batch, seq, -1), self.proj.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -21,8 +21,9 @@ gradient reduction), DDP under torch.autocast.
 
 --suite (4 ranks, float64): every layout of ddp_course.mesh_layouts.LAYOUTS
 trains --steps steps from the same weights on the same global batch and is
-compared with one process; memory per rank against the formula; collectives
-of one FSDP x TP step per mesh dimension against the formula; a DCP checkpoint
+compared with one process; memory per rank against the formula; the collectives
+of each layout's second step per phase and mesh dimension against the formula (and
+of FSDP x TP keeping its gathered parameters); a DCP checkpoint
 saved on the 2 x 2 mesh reloaded on 4 x 1 and in one process; and the loss
 normalisation lab (padded sequences).
 """
@@ -37,12 +38,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.tensor.debug import CommDebugMode
 from torch.nn import functional
 from torch.nn.parallel import DistributedDataParallel
 
+from ddp_course import mesh_collectives as mc
 from ddp_course import mesh_layouts as ml
-from ddp_course.comm_cost import CollectiveLog
 from ddp_course.data import lm_batch, shakespeare_bytes
 from ddp_course.models import TinyGPT, lm_loss
 from ddp_course.runtime import distributed, get_logger, no_tf32
@@ -108,16 +108,26 @@ def synced_clock(device):
     return time.perf_counter()
 
 
-def train(lay, model, batches, ctx, optimizer, lr, compute_dtype=None):
+def train(lay, model, batches, ctx, optimizer, lr, compute_dtype=None, counts=None):
     """Train ``model`` laid out as ``lay``: the loss of every step, the MeshModel, the
-    optimizer and the seconds of every step (the set-up before the first is not timed)."""
+    optimizer and the seconds of every step (the set-up before the first is not timed).
+    With a ``counts`` dict, the second step (the steady one) runs with its collectives
+    counted per phase and mesh dimension, into ``counts``."""
     mesh = ml.build_mesh(lay, ctx.device.type)
     mm = ml.MeshModel(model, lay, mesh, compute_dtype=compute_dtype)  # NEW: a layout, one line
+    buckets = None
+    if counts is not None and lay.data == "ddp":
+        buckets = mc.count_ddp_buckets(mm.module)  # DDP's all-reduces run in C++
     opt = optimizer(mm.module.parameters(), lr)
     losses, seconds = [], []
     before = synced_clock(ctx.device)
-    for batch in batches:
-        losses.append(mm.forward_backward(*my_slice(batch, mesh, lay.dp)))
+    for step, batch in enumerate(batches):
+        if counts is not None and step == 1:
+            loss, seen = mc.count_step(mm, *my_slice(batch, mesh, lay.dp), buckets)
+            counts.update(seen)
+            losses.append(loss)
+        else:
+            losses.append(mm.forward_backward(*my_slice(batch, mesh, lay.dp)))
         opt.step()
         opt.zero_grad()
         after = synced_clock(ctx.device)
@@ -165,34 +175,18 @@ def memory_row(lay, mm, ctx, config, dtype, batch, lr):
     return {"layout": lay.name, "rank": ctx.rank, "held": held, "formula": formula}
 
 
-def count_one_step(ctx, config, dtype, batch, lr):
-    """Collectives of one FSDP x TP step: FSDP2's by wrapping torch.distributed, DTensor's
-    by CommDebugMode (its c10d entries are FSDP2's again, so only its functional ones count)."""
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    counts = {}
-    for reshard in (True, False):
-        lay = ml.layout("fsdp x tp", ctx.world_size)
-        mesh = ml.build_mesh(lay, ctx.device.type)
-        mm = ml.MeshModel(new_model(config, dtype, ctx.device, 0), lay, mesh,
-                          reshard_after_forward=reshard)  # fmt: skip
-        x, y = my_slice(batch, mesh, lay.dp)
-        for _ in range(2):  # the second step is the steady one
-            seen, log = {}, CollectiveLog(mesh)
-            with loss_parallel():
-                for phase in ("forward", "loss", "backward"):
-                    with log.recording(phase), CommDebugMode() as mode:
-                        if phase == "forward":
-                            logits = mm.module(x)
-                        elif phase == "loss":
-                            loss = functional.cross_entropy(logits.flatten(0, 1), y.flatten())
-                        else:
-                            loss.backward()
-                    seen[phase] = log.counts(phase) | ml.comm_debug_counts(mode)
-            mm.module.zero_grad()
-        expected = ml.expected_collectives(lay, config["n_layers"], reshard)
-        counts[f"reshard_after_forward={reshard}"] = {"measured": seen, "formula": expected}
-    return counts
+def count_kept_gathered(ctx, config, dtype, batch):
+    """Collectives of one steady FSDP x TP step with ``reshard_after_forward=False``: the
+    blocks keep their gathered parameters for backward (fewer all-gathers, more memory)."""
+    lay = ml.layout("fsdp x tp", ctx.world_size)
+    mesh = ml.build_mesh(lay, ctx.device.type)
+    mm = ml.MeshModel(new_model(config, dtype, ctx.device, 0), lay, mesh,
+                      reshard_after_forward=False)  # fmt: skip
+    for _ in range(2):  # the second step is the steady one
+        _, seen = mc.count_step(mm, *my_slice(batch, mesh, lay.dp))
+        mm.module.zero_grad()
+    return {"measured": seen,
+            "formula": mc.expected_collectives(lay, config["n_layers"], False)}  # fmt: skip
 
 
 def checkpoint_round_trip(ctx, config, dtype, batches, lr, folder):
@@ -276,11 +270,14 @@ def suite(args, ctx, config, dtype, log):
     }
     model = new_model(config, dtype, ctx.device, 0)
     reference, reference_losses = one_process(model, train_batches, SUITE_LR)
-    rows, memory = [], []
+    rows, memory, counts = [], [], {}
     for name in ml.LAYOUTS:
         lay = ml.layout(name, ctx.world_size)
         model = new_model(config, dtype, ctx.device, 0)
-        losses, mm, *_ = train(lay, model, train_batches, ctx, sgd, SUITE_LR)
+        seen = {}
+        losses, mm, *_ = train(lay, model, train_batches, ctx, sgd, SUITE_LR, counts=seen)
+        counts[name] = {"measured": seen,
+                        "formula": mc.expected_collectives(lay, config["n_layers"])}  # fmt: skip
         params = mm.full_parameters()
         rows.append({"layout": name, "pp": lay.pp, "dp": lay.dp, "tp": lay.tp,
                      "losses": losses, "gap": max_gap(params, reference),
@@ -290,7 +287,8 @@ def suite(args, ctx, config, dtype, log):
     return {
         "rows": rows, "memory": memory, "reference_losses": reference_losses,
         "all_names": sorted(reference),
-        "counts": count_one_step(ctx, config, dtype, batches[0], SUITE_LR),
+        "counts": counts,
+        "counts_kept_gathered": count_kept_gathered(ctx, config, dtype, batches[0]),
         "checkpoint": checkpoint_round_trip(ctx, config, dtype, batches, SUITE_LR, args.checkpoint),
         "loss_lab": loss_normalisation_lab(ctx, config, dtype, batches[0]),
     }  # fmt: skip
@@ -311,6 +309,9 @@ def run_suite(args, ctx, dtype, log):
     result["memory"] = sum(gather_lists(ctx, result["memory"]), [])
     result["gaps_by_rank"] = gather_lists(ctx, {r["layout"]: r["gap"] for r in result["rows"]})
     result["names_by_rank"] = gather_lists(ctx, {r["layout"]: r["names"] for r in result["rows"]})
+    result["counts_by_rank"] = gather_lists(
+        ctx, {name: c["measured"] for name, c in result["counts"].items()}
+    )
     result["config"] = config
     write_results(ctx, args.results, result, args=vars(args))
 

@@ -11,18 +11,19 @@ split (TP), and, with sequence parallelism (SP), the LayerNorm and dropout
 regions along the sequence. The script asserts that one block (forward and
 backward) and the whole model after --steps SGD steps equal one process,
 with and without SP; counts every all-reduce, all-gather and reduce-scatter
-against the formula; measures the bytes the LayerNorms keep for backward;
-and runs two labs: ranks initialised with different seeds, and the
-LayerNorm gradients of SP never all-reduced. Results go to --results (rank 0).
+against the formula; measures the bytes the LayerNorms and a whole block keep for backward (against
+Korthikanti et al. 2022); and runs three labs: ranks initialised with
+different seeds, dropout masks across ranks and steps, and the LayerNorm
+gradients of SP never all-reduced. Results go to --results (rank 0).
 """
 
 import argparse
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from ddp_course import sequence_parallel as sp
+from ddp_course import tensor_parallel as tp
 from ddp_course.comm_cost import CollectiveLog
 from ddp_course.data import lm_batch, shakespeare_bytes
 from ddp_course.models import Block, TinyGPT, lm_loss
@@ -98,18 +99,19 @@ def block_formula(args, n, sequence_parallel):
     if not sequence_parallel:  # Shoeybi et al. 2019, sec. 3: g twice forward, f twice backward
         return {"forward": {"all_reduce": [k, k]}, "backward": {"all_reduce": [k, k]},
                 "after backward": {}}  # fmt: skip
-    # Korthikanti et al. 2022, sec. 4.2.2: g and g-bar, twice each way; then the
+    # Korthikanti et al. 2022, sec. 4.2.2: g and g-bar, twice each way, and in backward the
+    # inputs of q/k/v and fc1 gathered again (only this rank's shard was saved); then the
     # 6 d replicated parameters acting on sequence shards (2 LayerNorms, 2 biases).
-    both = {"all_gather": [k, k], "reduce_scatter": [k, k]}
     return {
-        "forward": both,
-        "backward": both,
+        "forward": {"all_gather": [k, k], "reduce_scatter": [k, k]},
+        "backward": {"all_gather": [k] * 4, "reduce_scatter": [k, k]},
         "after backward": {"all_reduce": [6 * args.d_model * 8]},
     }
 
 
 def ring_bytes_per_rank(calls, n):
-    """Bytes each rank sends in a ring: 2(N-1)/N K per all-reduce, (N-1)/N K per gather/scatter."""
+    """The ring model of the counted calls: each rank sends 2(N-1)/N K per all-reduce and
+    (N-1)/N K per all-gather or reduce-scatter (a model, not a measurement)."""
     factor = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
     return sum(factor[op] * (n - 1) * k // n for op, ks in calls.items() for k in ks)
 
@@ -164,15 +166,85 @@ def spread_across_ranks(par, names):
     return out
 
 
-def dropout_masks_agree(args, ctx, sharded, seed):
-    """Do the N ranks draw the same dropout mask for a tensor of this region's shape?"""
-    t = args.seq_len // ctx.world_size if sharded else args.seq_len
-    torch.manual_seed(seed)
-    ones = torch.ones(args.batch_size, t, args.d_model, device=ctx.device)
-    mask = nn.functional.dropout(ones, 0.5)
-    masks = [torch.empty_like(mask) for _ in range(ctx.world_size)]
-    dist.all_gather(masks, mask)
-    return all(torch.equal(m, masks[0]) for m in masks)
+def dropout_lab(args, ctx, seed=7):
+    """Dropout masks of ParallelGPT (dropout 0.5) on every rank, two steps, three ways of
+    seeding the sharded regions: per region, are they equal on every rank, and does a
+    rank draw the same mask again at the next step?"""
+    ways = {
+        "one seed for every rank": lambda: tp.ParallelRNG(seed, rank=0),
+        "per-rank seed, seeded again each step": lambda: tp.ParallelRNG(seed, ctx.rank),
+        "ParallelRNG (per-rank state, kept)": lambda: tp.ParallelRNG(seed, ctx.rank),
+    }
+    out = {}
+    for way, new_rng in ways.items():
+        for layout, seq_par in (("TP", False), ("TP+SP", True)):
+            torch.manual_seed(seed)  # the weights and the default generator: equal everywhere
+            whole = TinyGPT(
+                d_model=args.d_model,
+                n_heads=args.heads,
+                n_layers=args.layers,
+                seq_len=args.seq_len,
+                dropout=0.5,
+                flash=False,
+            ).double()
+            par = sp.ParallelGPT(
+                whole.to(ctx.device),
+                ctx.rank,
+                ctx.world_size,
+                sequence_parallel=seq_par,
+                rng=new_rng(),
+            )
+            x, y = text_batch(args, ctx.device)
+            steps = []
+            for _ in range(2):
+                if way.startswith("per-rank seed"):
+                    par.rng.states.clear()  # region_seed's state from its start again
+                with sp.dropout_masks() as masks:
+                    lm_loss(par(x), y).backward()
+                steps.append(masks)
+            residual = "sequence shard" if seq_par else "replicated residual"
+            names = ["replicated embeddings", *["heads", residual, residual] * args.layers]
+            for i, region in enumerate(names):
+                row = out.setdefault((way, layout, region), [True, False])
+                for masks in steps:
+                    copies = [torch.empty_like(masks[i]) for _ in range(ctx.world_size)]
+                    dist.all_gather(copies, masks[i])
+                    row[0] &= all(torch.equal(c, copies[0]) for c in copies)
+                row[1] |= torch.equal(steps[0][i], steps[1][i])
+    return [
+        {
+            "seeding": w,
+            "layout": lay,
+            "region": r,
+            "equal on every rank": eq,
+            "same mask next step": again,
+        }
+        for (w, lay, r), (eq, again) in out.items()
+    ]
+
+
+def saved_block_bytes(args, ctx, seq_par):
+    """Bytes one whole block (dropout 0.1, explicit attention) saves for backward here."""
+    torch.manual_seed(0)
+    whole = Block(args.d_model, args.heads, dropout=0.1, flash=False).double()
+    par = sp.ParallelBlock(whole, ctx.rank, ctx.world_size, sequence_parallel=seq_par)
+    par = par.to(ctx.device)
+    x = torch.randn(args.batch_size, args.seq_len, args.d_model, dtype=torch.float64,
+                    device=ctx.device)  # fmt: skip
+    x = (my_part(x, ctx) if seq_par else x).requires_grad_()
+    out = {}
+    with sp.saved_activation_bytes([par], out):
+        y = par(x)
+    y.sum().backward()
+    whole_shape = [[args.batch_size, args.seq_len, args.d_model],
+                   [args.batch_size * args.seq_len, args.d_model]]  # fmt: skip
+    # CUDA's fused dropout keeps a 1-byte mask; the CPU's a float64 one.
+    mask = 1 if ctx.device.type == "cuda" else 8
+    formula = sp.saved_block_bytes_formula(
+        args.batch_size, args.seq_len, args.d_model, args.heads, ctx.world_size, seq_par, 8, mask
+    )
+    return {"bytes": out["bytes"], "formula": formula,
+            "whole [B, T, d] kept": sum(s in whole_shape for s in out["shapes"])}  # fmt: skip
 
 
 def main():
@@ -211,19 +283,28 @@ def main():
             saved[name] = out["bytes"]
         result["layernorm_saved_bytes"] = saved
 
+        # A whole block: what autograd keeps for backward, against Korthikanti et al. 2022.
+        result["block_saved_bytes"] = {
+            name: saved_block_bytes(args, ctx, seq_par)
+            for name, seq_par in (("TP", False), ("TP+SP", True))
+        }
+
         # Lab 1: each rank builds its own model with seed + rank, then keeps its shard.
         labs = {}
+        replicated = ["tok_emb.weight", "pos_emb.weight", "blocks.0.ln1.weight", "head.weight"]
         for case, seed in (("seed + rank", ctx.rank), ("same seed", 0)):
             par = sp.ParallelGPT(whole_gpt(args, ctx.device, seed), ctx.rank, n)
-            full, one = sp.gather_full_state(par), whole_gpt(args, ctx.device, 0)
-            labs[case] = max((full[k] - q).abs().max().item() for k, q in one.named_parameters())
+            one = dict(whole_gpt(args, ctx.device, 0).named_parameters())
+            mine = dict(par.named_parameters())
+            # This rank's replicated copies against the one-process model, on every rank.
+            by_rank = [None] * n
+            gap = max((mine[k] - one[k]).abs().max().item() for k in replicated)
+            dist.all_gather_object(by_rank, gap)
+            labs[case] = {"replicated vs one process, by rank": by_rank,
+                          "replicated spread across ranks":
+                              max(spread_across_ranks(par, replicated).values())}  # fmt: skip
         result["seed_lab"] = labs
-        result["dropout_lab"] = {
-            f"{region}, {how}": dropout_masks_agree(args, ctx, sharded, seed)
-            for region, sharded in (("replicated", False), ("sequence shard", True))
-            for how, seed in (("same seed", 7), ("seed + rank", 7 + ctx.rank),
-                              ("region_seed", sp.region_seed(7, ctx.rank, sharded)))
-        }  # fmt: skip
+        result["dropout_lab"] = dropout_lab(args, ctx)
         # Lab 2: sequence parallelism without the all-reduce of the LayerNorm gradients.
         lab2 = {}
         names = ["blocks.0.ln1.weight", "blocks.0.ln2.bias", "blocks.0.mlp.fc2.bias"]
@@ -239,7 +320,7 @@ def main():
                  f"|TP+SP - one process| <= {max(tpsp['diffs'].values()):.1e}; after "
                  f"{args.steps} steps {result['gpt']['TP']['max_diff_after_steps']:.1e} and "
                  f"{result['gpt']['TP+SP']['max_diff_after_steps']:.1e}; bytes sent per rank "
-                 f"per block forward {tp['ring_bytes']['forward']} (TP) and "
+                 f"per block (ring model) forward {tp['ring_bytes']['forward']} (TP) and "
                  f"{tpsp['ring_bytes']['forward']} (TP+SP)")  # fmt: skip
         write_results(ctx, args.results, result, args=vars(args))
 

@@ -1,19 +1,23 @@
 """Tensor-parallel attention and sequence parallelism (TinyGPT) against one process, on 2 and 4
 gloo ranks, in float64; collectives counted against the formula; three mistakes caught; the
-seed and dropout labs.
+bytes a block saves for backward against Korthikanti et al. 2022; the seed lab (dropout:
+test_tp_dropout.py).
 
 Formulas (per block, activations [B, T, d] of K = B T d x 8 bytes):
 - tensor parallelism (Shoeybi et al. 2019, section 3): 2 all-reduces of K forward, 2 backward;
 - with sequence parallelism (Korthikanti et al. 2022, section 4.2.2): 2 all-gathers and
-  2 reduce-scatters of K forward and the same backward; a ring moves 2(N-1)/N K per rank for
-  an all-reduce and (N-1)/N K for the other two, so the bytes on the wire are equal; plus one
-  all-reduce of the 6 d sequence-parallel parameters' gradients per block after backward.
+  2 reduce-scatters of K forward; backward the same plus 2 all-gathers that rebuild the
+  inputs of q/k/v and fc1 (only this rank's shard of them was saved); a ring moves
+  2(N-1)/N K per rank for an all-reduce and (N-1)/N K for the other two, so forward's bytes
+  on the wire are equal and backward's 3/2 of TP's; plus one all-reduce of the 6 d
+  sequence-parallel parameters' gradients per block after backward.
 """
 
 import pathlib
 
 import pytest
 
+from ddp_course import sequence_parallel as sp
 from ddp_course.harness import launch
 
 D, HEADS, LAYERS, SEQ, BATCH, STEPS = 16, 4, 2, 8, 2, 5
@@ -68,17 +72,20 @@ def test_collectives_per_block_match_the_formula(job):
         assert counts(tp_calls, "forward") == {"all_reduce": [K, K]}
         assert counts(tp_calls, "backward") == {"all_reduce": [K, K]}
         assert counts(tp_calls, "grads") == {}
-        for phase in ("forward", "backward"):
-            assert counts(sp_calls, phase) == {"all_gather": [K, K], "reduce_scatter": [K, K]}
+        assert counts(sp_calls, "forward") == {"all_gather": [K, K], "reduce_scatter": [K, K]}
+        # g-bar's backward (2) and the inputs of q/k/v and fc1 gathered again (2).
+        assert counts(sp_calls, "backward") == {"all_gather": [K] * 4, "reduce_scatter": [K, K]}
         assert counts(sp_calls, "grads") == {"all_reduce": [6 * D * 8]}
 
         def wire(calls, phase):
             return sum(WIRE[op] * (n - 1) * b / n for op, bs in counts(calls, phase).items()
                        for b in bs)  # fmt: skip
 
-        # Same bytes on the wire (Korthikanti et al. 2022, section 4.2.2).
-        for phase in ("forward", "backward"):
-            assert wire(tp_calls, phase) == wire(sp_calls, phase) == 4 * (n - 1) * K / n
+        # Same bytes on the wire forward (Korthikanti et al. 2022, section 4.2.2); backward
+        # pays the two extra all-gathers.
+        assert wire(tp_calls, "forward") == wire(sp_calls, "forward") == 4 * (n - 1) * K / n
+        assert wire(tp_calls, "backward") == 4 * (n - 1) * K / n
+        assert wire(sp_calls, "backward") == 6 * (n - 1) * K / n
 
 
 def test_collectives_per_training_step(job):
@@ -89,9 +96,10 @@ def test_collectives_per_training_step(job):
         assert counts(tp_calls, "grads") == {}
         # One more all-gather each way: into the replicated final LayerNorm (forward),
         # out of the replicated embeddings (backward).
-        for phase in ("forward", "backward"):
-            assert counts(sp_calls, phase) == {"all_gather": [K] * (2 * LAYERS + 1),
+        assert counts(sp_calls, "forward") == {"all_gather": [K] * (2 * LAYERS + 1),
                                                "reduce_scatter": [K] * 2 * LAYERS}  # fmt: skip
+        assert counts(sp_calls, "backward") == {"all_gather": [K] * (4 * LAYERS + 1),
+                                                "reduce_scatter": [K] * 2 * LAYERS}  # fmt: skip
         assert counts(sp_calls, "grads") == {"all_reduce": [6 * D * LAYERS * 8]}
 
 
@@ -100,6 +108,25 @@ def test_layernorm_activations_shrink_n_times(job):
     # Two LayerNorms, each saving its input [B, T, d] and mean and rstd [B, T].
     assert saved["tp"] == 2 * (BATCH * SEQ * D + 2 * BATCH * SEQ) * 8
     assert saved["sp"] * n == saved["tp"]
+
+
+def test_a_block_saves_what_korthikanti_counts(job):
+    # Korthikanti et al. 2022, table 2: sbh(10 + 24/t) + 5as²b/t under TP, sbh 34/t + 5as²b/t
+    # with SP, in 2-byte activations and 1-byte masks; here float64 and CPU dropout's
+    # float64 mask (sp.saved_block_bytes_formula says term by term).
+    n, saved = job["world_size"], job["block_bytes"]
+    for mode, seq_par in (("tp", False), ("sp", True)):
+        want = sp.saved_block_bytes_formula(BATCH, SEQ, D, HEADS, n, seq_par)
+        assert saved[mode]["bytes"] == want, mode
+    # With SP every term is divided by N (but the causal mask, SEQ² bytes)...
+    one = sp.saved_block_bytes_formula(BATCH, SEQ, D, HEADS, 1, False)
+    assert saved["sp"]["bytes"] - SEQ * SEQ == (one - SEQ * SEQ) // n
+    # ...so no [B, T, d] activation is kept: only the MLP's hidden [B, T, 4d/N] can have
+    # that shape, where 4d/N = d.
+    whole = [[BATCH, SEQ, D], [BATCH * SEQ, D]]
+    assert [s for s in saved["tp"]["shapes"] if s in whole]  # TP keeps several
+    kept = [s for s in saved["sp"]["shapes"] if s in whole]
+    assert kept == ([] if 4 * D // n != D else [[BATCH, SEQ, D], [BATCH * SEQ, D]]), kept
 
 
 def test_each_rank_holds_its_share_of_the_weights(job):
@@ -161,14 +188,6 @@ def test_seed_lab(job):
     assert "blocks.0.attn.q.weight" in lab["seed_plus_rank"]["differ_from_one_process"]
     assert {"tok_emb.weight", "head.weight"} <= set(lab["seed_plus_rank"]["replicas_disagree"])
     assert lab["same_seed"] == {"differ_from_one_process": [], "replicas_disagree": []}
-
-
-def test_dropout_lab(job):
-    # True: the masks of every rank are equal.
-    lab = job["dropout_lab"]
-    assert lab["replicated, same seed"] and not lab["replicated, seed + rank"]
-    assert lab["sequence shard, same seed"] and not lab["sequence shard, seed + rank"]
-    assert lab["replicated, region_seed"] and not lab["sequence shard, region_seed"]
 
 
 def test_a_sequence_the_ranks_cannot_share_gets_a_clear_error(job):

@@ -79,14 +79,24 @@ def test_memory_formula_on_hand_counted_layouts():
 
 def test_collective_formula_on_the_2_block_model():
     counts = ml.expected_collectives(ml.layout("fsdp x tp"), 2)
-    # 3 FSDP units (2 blocks + root): gathered for forward and again for backward.
+    # 3 FSDP units (2 blocks + root): gathered for forward; the blocks again for backward
+    # (the root stays gathered: PyTorch's default for the root).
     assert counts["forward"] == {"all_gather shard": 3, "all_reduce tp": 4}
-    assert counts["backward"] == {"all_gather shard": 3, "reduce_scatter shard": 3,
+    assert counts["backward"] == {"all_gather shard": 2, "reduce_scatter shard": 3,
                                   "all_reduce tp": 9}  # fmt: skip
     kept = ml.expected_collectives(ml.layout("fsdp x tp"), 2, reshard_after_forward=False)
     assert "all_gather shard" not in kept["backward"]
-    assert ml.expected_collectives(ml.layout("ddp"), 2) == {"forward": {}, "backward": {},
-                                                            "loss": {}}  # fmt: skip
+    # DDP: one all-reduce per gradient bucket over replicate; HSDP: one per unit.
+    assert ml.expected_collectives(ml.layout("ddp"), 2) == {
+        "forward": {}, "backward": {"all_reduce replicate": 1}, "loss": {}}  # fmt: skip
+    hsdp = ml.expected_collectives(ml.layout("hsdp"), 2)["backward"]
+    assert hsdp == {"all_gather shard": 2, "reduce_scatter shard": 3, "all_reduce replicate": 3}
+    # The pipeline: one phase; each block gathered per micro-batch and once in backward.
+    pp = ml.expected_collectives(ml.layout("pp x fsdp"), 2, microbatches=2)
+    assert pp == {"step": {"all_gather shard": 4, "reduce_scatter shard": 2,
+                           "all_reduce pp": 1, "all_reduce shard": 1}}  # fmt: skip
+    with pytest.raises(ValueError, match="pp x fsdp only"):
+        ml.expected_collectives(ml.Layout("x", pp=2, tp=2), 2)
 
 
 def test_token_mean_loss_in_one_process_is_the_mean_over_real_tokens():
@@ -101,3 +111,14 @@ def test_token_mean_loss_in_one_process_is_the_mean_over_real_tokens():
 
 def test_tensor_bytes():
     assert ml.tensor_bytes([torch.zeros(3, dtype=torch.float64), None, torch.zeros(2)]) == 32
+
+
+def test_stages_keep_the_embeddings_dropout():
+    torch.manual_seed(0)
+    model = TinyGPT(**{**TINY, "n_layers": 4, "dropout": 0.3}).double()
+    x = torch.randint(0, 256, (2, 16))
+    stages = ml.split_stages(model, 2)
+    torch.manual_seed(1)
+    want = model(x)
+    torch.manual_seed(1)
+    torch.testing.assert_close(stages[1](stages[0](x)), want, rtol=0, atol=0)

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from ddp_course import sequence_parallel as sp
+from ddp_course import tensor_parallel as tp
 from ddp_course.models import Block, CausalSelfAttention, TinyGPT
 from ddp_course.tensor_parallel import ParallelAttention
 
@@ -49,3 +50,33 @@ def test_region_seeds_agree_where_replicated_and_differ_where_sharded():
     assert sp.region_seed(5, 0, sharded=False) == sp.region_seed(5, 3, sharded=False) == 5
     assert len({sp.region_seed(5, r, sharded=True) for r in range(4)}) == 4
     assert 5 not in {sp.region_seed(5, r, sharded=True) for r in range(4)}
+
+
+def test_parallel_rng_keeps_its_own_state_and_leaves_the_default_one_alone():
+    torch.manual_seed(3)
+    rng = tp.ParallelRNG(rank=1)
+    assert rng.seed == 3
+    outside = torch.get_rng_state()
+    with rng.fork():
+        first = torch.rand(4)
+    assert torch.equal(torch.get_rng_state(), outside)  # the replicated regions' stream
+    with rng.fork():
+        second = torch.rand(4)
+    assert not torch.equal(first, second)  # the state moved on: no mask repeats
+    want = torch.Generator().manual_seed(sp.region_seed(3, 1, sharded=True))
+    torch.testing.assert_close(first, torch.rand(4, generator=want), rtol=0, atol=0)
+    other = tp.ParallelRNG(3, rank=0)
+    with other.fork():
+        assert not torch.equal(torch.rand(4), first)  # another rank, other numbers
+
+
+def test_one_rank_with_dropout_draws_what_the_plain_block_draws():
+    torch.manual_seed(0)
+    block = Block(16, 4, dropout=0.3, flash=False).double()
+    x = torch.randn(2, 8, 16, dtype=torch.float64)
+    for seq_par in (False, True):
+        par = sp.ParallelBlock(block, 0, 1, sequence_parallel=seq_par)
+        torch.manual_seed(5)
+        want = block(x)
+        torch.manual_seed(5)
+        torch.testing.assert_close(par(x), want, rtol=1e-12, atol=1e-12)

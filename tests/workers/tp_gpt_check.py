@@ -12,8 +12,9 @@ collectives even when a check fails:
 - the whole TinyGPT trained ``--steps`` SGD steps on the same batch: the
   gathered parameters against one process, and the replicated parameters
   across the tensor-parallel ranks; the collectives of one step;
-- (as written only) the bytes the LayerNorms save for backward, and the two
-  RNG labs: initialisation seeds, dropout seeds per region.
+- (as written only) the bytes the LayerNorms and a whole block save for
+  backward, and the initialisation-seed lab. Dropout across ranks:
+  ``tp_dropout_check.py``.
 
     torchrun --nproc_per_node=2 tests/workers/tp_gpt_check.py
 """
@@ -23,7 +24,7 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch.nn import functional
 
 from ddp_course import sequence_parallel as sp
 from ddp_course import tensor_parallel as tp
@@ -70,14 +71,16 @@ def broken(variant):
     elif variant == "sp_without_all_gather":
         # The gathered buffer allocated and this rank's part written, the
         # all-gather itself forgotten: the other ranks' positions stay zero.
-        def forward(ctx, x, group):
-            ctx.group = group
-            out = x.new_zeros(x.shape[0], x.shape[1] * dist.get_world_size(group), x.shape[2])
-            out.narrow(1, dist.get_rank(group) * x.shape[1], x.shape[1]).copy_(x)
-            return out
+        def forward(ctx, x, group, *params):
+            weights, biases = params[0::2], params[1::2]
+            ctx.group, ctx.has_bias = group, [b is not None for b in biases]
+            full = x.new_zeros(x.shape[0], x.shape[1] * dist.get_world_size(group), x.shape[2])
+            full.narrow(1, dist.get_rank(group) * x.shape[1], x.shape[1]).copy_(x)
+            ctx.save_for_backward(x, *weights)
+            return tuple(functional.linear(full, w, b) for w, b in zip(weights, biases))
 
-        original, name = sp.GatherFromSequence.forward, "forward"
-        patched, owner = staticmethod(forward), sp.GatherFromSequence
+        original, name = sp.GatherLinear.forward, "forward"
+        patched, owner = staticmethod(forward), sp.GatherLinear
     else:
         yield
         return
@@ -197,6 +200,21 @@ def layernorm_bytes(ctx, sequence_parallel):
     return out["bytes"]
 
 
+def block_bytes(ctx, sequence_parallel):
+    """Bytes one whole block (dropout on, explicit attention) saves for backward, on this
+    rank, each storage once; and the shapes of what it saves."""
+    torch.manual_seed(0)
+    whole = Block(args.d_model, args.heads, dropout=0.1, flash=False).double()
+    par = sp.ParallelBlock(whole, ctx.rank, ctx.world_size, sequence_parallel=sequence_parallel)
+    x = torch.randn(args.batch_size, args.seq, args.d_model, dtype=torch.float64)
+    x = (my_part(x, ctx) if sequence_parallel else x).requires_grad_()
+    out = {}
+    with sp.saved_activation_bytes([par], out):
+        y = par(x)
+    y.sum().backward()
+    return out
+
+
 def seed_lab(ctx):
     """Lab 1a: each rank builds its own model with seed + rank, then shards it."""
     out = {}
@@ -206,27 +224,6 @@ def seed_lab(ctx):
         out[name] = {"differ_from_one_process": sorted(n for n, q in ref.named_parameters()
                                                        if not torch.equal(full[n], q.detach())),
                      "replicas_disagree": replicas_disagree(par, ctx)}  # fmt: skip
-    return out
-
-
-def dropout_lab(ctx, seed=7):
-    """Lab 1b: which dropout masks must agree across ranks and which must differ.
-
-    Under TP the residual dropout acts on a replicated [B, T, d]: masks must
-    agree. Under SP it acts on this rank's [B, T/N, d]: masks must differ.
-    """
-    n, t = ctx.world_size, args.seq // ctx.world_size
-    drop = nn.Dropout(0.5)
-    out = {}
-    for sharded, region in ((False, "replicated"), (True, "sequence shard")):
-        shape = (args.batch_size, t if sharded else args.seq, args.d_model)
-        for how, s in (("same seed", seed), ("seed + rank", seed + ctx.rank),
-                       ("region_seed", sp.region_seed(seed, ctx.rank, sharded))):  # fmt: skip
-            torch.manual_seed(s)
-            mask = drop(torch.ones(shape, dtype=torch.float64))  # 0 or 2
-            masks = [torch.empty_like(mask) for _ in range(n)]
-            dist.all_gather(masks, mask)
-            out[f"{region}, {how}"] = all(torch.equal(m, masks[0]) for m in masks)
     return out
 
 
@@ -241,8 +238,8 @@ with distributed(device="cpu") as ctx:
         dist.all_gather_object(gathered, mine)
         out["variants"][variant] = gathered
     out["layernorm_bytes"] = {"tp": layernorm_bytes(ctx, False), "sp": layernorm_bytes(ctx, True)}
+    out["block_bytes"] = {"tp": block_bytes(ctx, False), "sp": block_bytes(ctx, True)}
     out["seed_lab"] = seed_lab(ctx)
-    out["dropout_lab"] = dropout_lab(ctx)
     # A sequence the ranks cannot share equally: a clear error on every rank, before
     # any collective (so no rank waits for the others).
     try:
