@@ -1,60 +1,127 @@
-"""Activation checkpointing from scratch, and the policies that say where to apply it.
+"""Activation checkpointing from scratch: the reentrant and the non-reentrant form.
 
 Checkpointing a region keeps only its inputs in forward and runs the region
 again in backward to rebuild what its backward needs (Chen et al. 2016,
 "Training Deep Nets with Sublinear Memory Cost", section 3): memory for
-compute. The recomputation must draw the same random numbers as the first
-forward, or dropout masks differ and so do the gradients; :func:`checkpoint`
-saves the CPU (and CUDA) generator state before forward and restores it for
-the recomputation, as ``torch.utils.checkpoint`` does with
-``preserve_rng_state=True``
-(https://pytorch.org/docs/stable/checkpoint.html).
+compute. The recomputation must run as the first forward did: with the same
+random numbers, or dropout masks differ and so do the gradients, and under the
+same autocast state, or it computes in another dtype. Both forms here save the
+CPU (and CUDA) generator state and the autocast state before forward and
+restore them for the recomputation, as ``torch.utils.checkpoint`` does with
+``preserve_rng_state=True`` (https://pytorch.org/docs/stable/checkpoint.html):
 
-:func:`apply_policy` wraps parts of a :class:`~ddp_course.models.TinyGPT` in
-place: every block, every other block, every attention and MLP submodule, or
-every block with selective checkpointing (``torch.utils.checkpoint.
-create_selective_checkpoint_contexts``: matmul outputs saved, element-wise
-operations recomputed; Korthikanti et al. 2022, section 5).
+- :class:`Checkpoint` / :func:`checkpoint`: the reentrant form, a
+  ``torch.autograd.Function`` whose backward runs a forward and a backward of
+  the region (``use_reentrant=True``);
+- :func:`checkpoint_with_hooks`: the non-reentrant form, built from
+  ``torch.autograd.graph.saved_tensors_hooks``: each tensor the region saves is
+  packed as a handle, and the first unpack in backward reruns the region to
+  rebuild them all (``use_reentrant=False``, what PyTorch recommends).
+
+Where to apply them (the policies, and op-level selective checkpointing) is
+:mod:`ddp_course.recompute_policies`; its names also answer here
+(``activation_checkpoint.apply_policy`` and so on), where they were first defined.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
+import contextlib
 from collections.abc import Callable
 
 import torch
-from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 __all__ = [
     "Checkpoint",
-    "CheckpointWrapper",
-    "MATMULS",
-    "OpCounter",
-    "SelectiveRecord",
-    "apply_policy",
+    "RecomputedRegion",
+    "ReplayState",
     "checkpoint",
-    "matmul_policy",
-    "selective_checkpoint",
+    "checkpoint_with_hooks",
 ]
 
-#: The operations selective checkpointing saves: their outputs cost FLOPs to rebuild.
-MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+#: Where to checkpoint lives in :mod:`ddp_course.recompute_policies`; these names, first
+#: defined here, still answer here (see :func:`__getattr__`).
+_POLICY_NAMES = ("CheckpointWrapper", "CheckpointedCore", "IMPLS", "MATMULS", "OpCounter",
+                 "POLICIES", "SelectiveRecord", "apply_policy", "matmul_policy",
+                 "selective_checkpoint")  # fmt: skip
+
+
+def __getattr__(name: str):
+    """``activation_checkpoint.apply_policy`` and the rest of the policies, which moved to
+    :mod:`ddp_course.recompute_policies` (imported on first use: it imports this module)."""
+    if name in _POLICY_NAMES:
+        from ddp_course import recompute_policies
+
+        return getattr(recompute_policies, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _autocast_states(devices: set[str]) -> list[tuple[str, torch.dtype, bool]]:
+    """``(device type, dtype, cache enabled)`` of each autocast active now, CPU included."""
+    states = []
+    for dev in sorted(devices | {"cpu"}):
+        if torch.is_autocast_enabled(dev):
+            states.append((dev, torch.get_autocast_dtype(dev), torch.is_autocast_cache_enabled()))
+    return states
+
+
+class ReplayState:
+    """Put back, for a recomputation, the random and autocast state forward started from.
+
+    Saved at construction (before the region's forward runs): the CPU
+    generator, every CUDA generator when a CUDA tensor is among the inputs,
+    and which autocast was on (device type, dtype). Used as a context manager
+    around the recomputation: ``torch.random.fork_rng`` puts the generators
+    back afterwards, so the training loop's random stream continues as if no
+    recomputation had happened; autocast is entered as forward saw it, and
+    exited afterwards (backward itself runs outside autocast).
+
+    Args:
+        inputs: the region's tensor inputs (their devices say which generators
+            and which autocast to record).
+        restore_rng: replay the generators (``False`` shows the dropout bug).
+        restore_autocast: replay autocast (``False`` shows the autocast bug).
+    """
+
+    def __init__(self, inputs, restore_rng: bool = True, restore_autocast: bool = True):
+        self.restore_rng = restore_rng
+        self.cuda = any(x.is_cuda for x in inputs)
+        self.cpu_state = torch.get_rng_state()
+        self.cuda_state = torch.cuda.get_rng_state_all() if self.cuda else None
+        devices = {x.device.type for x in inputs}
+        self.autocast = _autocast_states(devices) if restore_autocast else []
+        self._stack = None
+
+    def __enter__(self):
+        self._stack = contextlib.ExitStack()
+        devices = list(range(torch.cuda.device_count())) if self.cuda else []
+        self._stack.enter_context(torch.random.fork_rng(devices=devices,
+                                                        enabled=self.restore_rng))  # fmt: skip
+        if self.restore_rng:
+            torch.set_rng_state(self.cpu_state)
+            if self.cuda:
+                torch.cuda.set_rng_state_all(self.cuda_state)
+        for dev, dtype, cache in self.autocast:
+            self._stack.enter_context(torch.autocast(dev, dtype=dtype, cache_enabled=cache))
+        return self
+
+    def __exit__(self, *exc):
+        return self._stack.__exit__(*exc)
 
 
 class Checkpoint(torch.autograd.Function):
     """Run ``fn(*inputs)`` without saving its activations; rerun it in backward.
 
-    Forward runs ``fn`` under ``torch.no_grad()`` (nothing inside is saved)
-    and saves only ``inputs``. Backward restores the generator state that
-    forward started from, reruns ``fn`` with gradients on, and back-propagates
-    the incoming gradients through it; parameters inside ``fn`` receive their
-    gradients there. This is the "reentrant" form (a backward inside a
-    backward).
+    Forward records the generator state and the autocast state it starts
+    from, runs ``fn`` under ``torch.no_grad()`` (nothing inside is saved) and
+    saves only ``inputs``. Backward restores both states (the rerun draws the
+    same dropout masks and computes in the same dtypes as forward; without the
+    autocast state a region run under ``torch.autocast`` would be recomputed in
+    float32 and its gradients would differ), reruns ``fn`` with gradients on,
+    and back-propagates the incoming gradients through it; parameters inside
+    ``fn`` receive their gradients there. This is the "reentrant" form (a
+    backward inside a backward).
 
-    ``apply(fn, restore_rng, *inputs)``: ``inputs`` are tensors, at least one
+    ``apply(fn, restore_rng, restore_autocast, *inputs)``: ``inputs`` are tensors, at least one
     of which requires a gradient (otherwise nothing connects the output to the
     parameters inside ``fn``); ``fn`` returns one tensor.
 
@@ -63,11 +130,10 @@ class Checkpoint(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, fn, restore_rng, *inputs):
-        ctx.fn, ctx.restore_rng = fn, restore_rng
-        ctx.cuda = any(x.is_cuda for x in inputs)
-        ctx.cpu_state = torch.get_rng_state()
-        ctx.cuda_state = torch.cuda.get_rng_state_all() if ctx.cuda else None
+    def forward(ctx, fn, restore_rng, restore_autocast, *inputs):
+        ctx.fn = fn
+        # The random and autocast state before fn runs, to run it again the same way.
+        ctx.replay = ReplayState(inputs, restore_rng, restore_autocast)
         ctx.save_for_backward(*inputs)
         with torch.no_grad():
             return fn(*inputs)
@@ -75,23 +141,16 @@ class Checkpoint(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
-        devices = list(range(torch.cuda.device_count())) if ctx.cuda else []
-        # fork_rng puts the generators back afterwards: the training loop's own random
-        # stream continues as if no recomputation had happened.
-        with torch.random.fork_rng(devices=devices, enabled=ctx.restore_rng):
-            if ctx.restore_rng:
-                torch.set_rng_state(ctx.cpu_state)
-                if ctx.cuda:
-                    torch.cuda.set_rng_state_all(ctx.cuda_state)
-            with torch.enable_grad():
-                output = ctx.fn(*inputs)
+        with ctx.replay, torch.enable_grad():  # forward's random numbers and autocast
+            output = ctx.fn(*inputs)
         # A backward inside backward: the parameters in fn accumulate their .grad, the
         # detached inputs receive theirs, which this node hands on.
         torch.autograd.backward(output, grad_output)
-        return (None, None, *[x.grad if x.requires_grad else None for x in inputs])
+        return (None, None, None, *[x.grad if x.requires_grad else None for x in inputs])
 
 
-def checkpoint(fn: Callable, *inputs: torch.Tensor, restore_rng: bool = True) -> torch.Tensor:
+def checkpoint(fn: Callable, *inputs: torch.Tensor, restore_rng: bool = True,
+               restore_autocast: bool = True) -> torch.Tensor:  # fmt: skip
     """``fn(*inputs)``, keeping only ``inputs`` for backward and recomputing the rest.
 
     Args:
@@ -100,6 +159,9 @@ def checkpoint(fn: Callable, *inputs: torch.Tensor, restore_rng: bool = True) ->
         restore_rng: replay the random numbers of forward in the recomputation
             (``False`` shows the bug: dropout draws new masks and the gradients
             are wrong).
+        restore_autocast: rerun under the autocast forward ran under (``False``
+            shows the bug: a region run under ``torch.autocast`` is recomputed
+            in float32 and its gradients differ).
 
     Raises:
         ValueError: gradients are on and no input requires one.
@@ -109,175 +171,85 @@ def checkpoint(fn: Callable, *inputs: torch.Tensor, restore_rng: bool = True) ->
             "checkpoint needs an input that requires a gradient; call "
             "x.requires_grad_() on the first region's input"
         )
-    return Checkpoint.apply(fn, restore_rng, *inputs)
+    return Checkpoint.apply(fn, restore_rng, restore_autocast, *inputs)
 
 
-@dataclasses.dataclass
-class SelectiveRecord:
-    """What a selective-checkpointing policy decided, filled in as it runs.
+class RecomputedRegion:
+    """The saved tensors of one checkpointed region, rebuilt on first use in backward."""
 
-    Attributes:
-        saved_bytes: bytes of the outputs saved in forward (``numel *
-            element_size`` of each output tensor of an operation the policy saves).
-        saved_ops: names of the operations saved, in order.
-        recompute_ops: names of the operations marked for recomputation in
-            forward (run again in backward; :class:`OpCounter` sees them there).
-    """
+    def __init__(self, fn, inputs, restore_rng):
+        self.fn, self.inputs = fn, inputs
+        self.replay = ReplayState(inputs, restore_rng)
+        self.meta: list[tuple] = []  # (shape, dtype) of each tensor forward saved
+        self.tensors: dict[int, torch.Tensor] = {}
 
-    saved_bytes: int = 0
-    saved_ops: list[str] = dataclasses.field(default_factory=list)
-    recompute_ops: list[str] = dataclasses.field(default_factory=list)
+    def pack(self, tensor: torch.Tensor) -> int:
+        # Forward: keep a handle (its position) instead of the tensor; nothing stays alive.
+        self.meta.append((tuple(tensor.shape), tensor.dtype))
+        return len(self.meta) - 1
 
+    def unpack(self, handle: int) -> torch.Tensor:
+        if handle not in self.tensors:  # first use in this backward: rerun the region
+            self.recompute()
+        return self.tensors.pop(handle)  # freed as soon as backward has used it
 
-def _output_bytes(func, args, out) -> int:
-    if out is None:
-        # torch < 2.12 asks the policy before the operation runs, so read the output's
-        # size off the inputs: a matrix product's from its operands, any other saved
-        # operation's (softmax, element-wise) from its first input, whose shape it keeps.
-        # (Running the operation on meta tensors would be exact, but an enclosing
-        # FlopCounterMode would count it.)
-        a, b = args[-2], args[-1]
-        if func in MATMULS:
-            return a.shape[:-1].numel() * b.shape[-1] * a.element_size()
-        first = next(t for t in args if isinstance(t, torch.Tensor))
-        return first.numel() * first.element_size()
-    outs = out if isinstance(out, (tuple, list)) else (out,)
-    return sum(t.numel() * t.element_size() for t in outs if isinstance(t, torch.Tensor))
+    def recompute(self) -> None:
+        rebuilt = []
 
+        def keep(t):  # the same operations save the same tensors, in the same order
+            rebuilt.append(t.detach())
+            return None
 
-def matmul_policy(record: SelectiveRecord, save: tuple = MATMULS) -> Callable:
-    """A policy for ``create_selective_checkpoint_contexts``: save ``save``'s outputs.
-
-    Every operation in ``save`` (by default the matrix products ``mm``,
-    ``addmm``, ``bmm``: most of a block's FLOPs) is ``MUST_SAVE``; everything
-    else (element-wise operations, softmax, dropout, LayerNorm, copies) is
-    ``PREFER_RECOMPUTE``, cheap to run again. Decisions are written to ``record``.
-    """
-
-    def policy(ctx, func, *args, **kwargs):
-        # Older PyTorch also asks during the recomputation; record forward's decisions only.
-        if func in save:
-            if not ctx.is_recompute:
-                record.saved_ops.append(str(func))
-                out = getattr(ctx, "op_output", None)
-                record.saved_bytes += _output_bytes(func, args, out)
-            return CheckpointPolicy.MUST_SAVE
-        if not ctx.is_recompute:
-            record.recompute_ops.append(str(func))
-        return CheckpointPolicy.PREFER_RECOMPUTE
-
-    return policy
+        inputs = [x.detach().requires_grad_(x.requires_grad) for x in self.inputs]
+        with self.replay, torch.enable_grad():
+            with torch.autograd.graph.saved_tensors_hooks(keep, lambda _: None):
+                self.fn(*inputs)
+        # The determinism check of torch.utils.checkpoint: the rerun must save what forward did.
+        got = [(tuple(t.shape), t.dtype) for t in rebuilt]
+        if got != self.meta:
+            first = next((i for i, (u, v) in enumerate(zip(got, self.meta)) if u != v),
+                         min(len(got), len(self.meta)))  # fmt: skip
+            raise RuntimeError(
+                f"the recomputation saved {len(got)} tensors, forward {len(self.meta)}; they "
+                f"first differ at tensor {first} (shape, dtype: rerun "
+                f"{got[first] if first < len(got) else None}, forward "
+                f"{self.meta[first] if first < len(self.meta) else None}): the region "
+                "does not run the same way twice (its random or autocast state, or its code)"
+            )
+        self.tensors = dict(enumerate(rebuilt))
 
 
-def selective_checkpoint(module: nn.Module, x: torch.Tensor, policy: Callable) -> torch.Tensor:
-    """``torch.utils.checkpoint.checkpoint(module, x, use_reentrant=False)`` with the
-    selective ``policy``, its saved tensors kept out of saved-tensor hooks on every
-    torch the course supports.
+def checkpoint_with_hooks(fn: Callable, *inputs: torch.Tensor,
+                          restore_rng: bool = True) -> torch.Tensor:  # fmt: skip
+    """``fn(*inputs)`` checkpointed without a custom Function: the non-reentrant form.
 
-    torch 2.15 announces (FutureWarning) that selective checkpointing will pass what
-    it saves through the active ``saved_tensors_hooks``; a hook that counts saved
-    bytes (:class:`ddp_course.activation_memory.SavedTensorCounter`) would then count
-    them twice. ``respect_saved_tensors_hooks=False`` keeps today's behaviour where
-    ``checkpoint`` has the argument (2.15 on); older torch has none and behaves so.
-    """
-    kw = {"context_fn": lambda: create_selective_checkpoint_contexts(policy)}
-    if (
-        "respect_saved_tensors_hooks"
-        in inspect.signature(torch.utils.checkpoint.checkpoint).parameters
-    ):
-        kw["respect_saved_tensors_hooks"] = False
-    return torch.utils.checkpoint.checkpoint(module, x, use_reentrant=False, **kw)
-
-
-class CheckpointWrapper(nn.Module):
-    """A module run through a checkpoint: ours, PyTorch's, or PyTorch's selective one.
+    ``fn`` runs once with gradients on, so autograd records its graph as
+    usual, but under ``torch.autograd.graph.saved_tensors_hooks`` whose pack
+    hook replaces each tensor the region saves by a handle (an int). In
+    backward, the first unpack reruns ``fn`` on detached copies of ``inputs``
+    (random and autocast state replayed) with a pack hook that collects what
+    the rerun saves, in the same order; each unpack then hands back its
+    tensor and drops it. The region's graph belongs to the outer graph, so
+    gradients flow to ``inputs`` and parameters directly: no backward inside a
+    backward, no input needs ``requires_grad`` and ``fn`` may return any
+    tensors. This is ``torch.utils.checkpoint.checkpoint(..., use_reentrant=
+    False)`` in outline; torch's also stops the rerun early once every tensor
+    needed is rebuilt (``early_stop``) and checks the rerun saved tensors of the
+    same shapes and dtypes (``determinism_check``, done here too).
 
     Args:
-        module: the region; input and output one tensor each.
-        impl: ``"ours"`` (:func:`checkpoint`), ``"torch"``
-            (``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``) or
-            ``"selective"`` (PyTorch's, with :func:`matmul_policy`).
-        record: where ``"selective"`` writes its decisions (a new one if None).
-        save: the operations ``"selective"`` saves (see :func:`matmul_policy`).
-
-    Raises:
-        ValueError: an unknown ``impl``.
-    """
-
-    def __init__(self, module: nn.Module, impl: str = "ours",
-                 record: SelectiveRecord | None = None, save: tuple = MATMULS):  # fmt: skip
-        super().__init__()
-        if impl not in ("ours", "torch", "selective"):
-            raise ValueError(f"impl must be 'ours', 'torch' or 'selective', not {impl!r}")
-        self.module, self.impl = module, impl
-        self.record = SelectiveRecord() if record is None else record
-        self.save = save
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled():
-            return self.module(x)
-        if self.impl == "ours":
-            return checkpoint(self.module, x)
-        if self.impl == "selective":
-            return selective_checkpoint(self.module, x, matmul_policy(self.record, self.save))
-        return torch.utils.checkpoint.checkpoint(self.module, x, use_reentrant=False)
-
-
-def apply_policy(model: nn.Module, policy: str, impl: str = "ours") -> SelectiveRecord:
-    """Wrap the blocks of a TinyGPT in place as ``policy`` says.
-
-    Policies: ``"none"``; ``"every_block"``; ``"every_other_block"`` (blocks
-    0, 2, 4...); ``"every_submodule"`` (each block's ``attn`` and ``mlp`` on
-    their own, the LayerNorms and residual adds left out); ``"selective"``
-    (every block, PyTorch's selective checkpointing with :func:`matmul_policy`).
-
-    Args:
-        model: a :class:`~ddp_course.models.TinyGPT` (anything with ``.blocks``).
-        policy: one of the above.
-        impl: ``"ours"`` or ``"torch"`` for the whole-region policies.
+        fn: a module or function of tensors.
+        inputs: its tensor arguments.
+        restore_rng: replay the random numbers of forward in the recomputation.
 
     Returns:
-        The :class:`SelectiveRecord` every selective wrapper writes to (empty
-        for the other policies).
+        What ``fn(*inputs)`` returns.
 
     Raises:
-        ValueError: an unknown policy or ``impl``, or a model already wrapped.
+        RuntimeError: in backward, when the rerun saves other tensors than forward.
     """
-    policies = ("none", "every_block", "every_other_block", "every_submodule", "selective")
-    if policy not in policies:
-        raise ValueError(f"policy must be one of {policies}, not {policy!r}")
-    if any(isinstance(m, CheckpointWrapper) for m in model.modules()):
-        raise ValueError("the model is already wrapped: build a fresh one for another policy")
-    record = SelectiveRecord()
-    blocks = model.blocks
-    for i, block in enumerate(blocks):
-        if policy == "every_block" or (policy == "every_other_block" and i % 2 == 0):
-            blocks[i] = CheckpointWrapper(block, impl)
-        elif policy == "every_submodule":
-            block.attn = CheckpointWrapper(block.attn, impl)
-            block.mlp = CheckpointWrapper(block.mlp, impl)
-        elif policy == "selective":
-            blocks[i] = CheckpointWrapper(block, "selective", record)
-    return record
-
-
-class OpCounter(TorchDispatchMode):
-    """Count the ATen operations that run inside a ``with`` block, by name.
-
-    Used around ``loss.backward()``: forward operations seen there (``aten.gelu``,
-    ``aten.addmm``...) are recomputations. A ``TorchDispatchMode``
-    (https://pytorch.org/docs/stable/notes/extending.html#extending-all-torch-api-with-modes)
-    sees every operation below autograd.
-
-    Attributes:
-        counts: ``{"aten.gelu.default": 3, ...}``.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.counts: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func)
-        self.counts[name] = self.counts.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
+    if not torch.is_grad_enabled():
+        return fn(*inputs)
+    region = RecomputedRegion(fn, inputs, restore_rng)
+    with torch.autograd.graph.saved_tensors_hooks(region.pack, region.unpack):
+        return fn(*inputs)

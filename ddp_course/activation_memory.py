@@ -1,14 +1,15 @@
-"""The memory of one training step: bytes saved for backward, measured and predicted.
+"""The activations of one training step: bytes saved for backward, measured and predicted.
 
 A training step holds four kinds of bytes: the parameters, their gradients, the
 optimizer's state and the activations, the tensors that forward saves for
-backward. The first three follow from the parameter count; the activations
-follow from the shapes of one micro-batch. This module measures the
-activations on any device with ``torch.autograd.graph.saved_tensors_hooks``
-(:class:`SavedTensorCounter`), predicts them per Transformer block term by
-term (:func:`block_terms`, adapted from Korthikanti et al. 2022, section 4),
-adds up a whole step (:func:`predict_step`) and picks the largest micro-batch
-that fits a budget (:func:`fit_micro_batch`).
+backward. This module measures the activations on any device with
+``torch.autograd.graph.saved_tensors_hooks`` (:class:`SavedTensorCounter`),
+predicts them per Transformer block term by term (:func:`block_terms`, adapted
+from Korthikanti et al. 2022, section 4) and for a whole model under each
+checkpointing policy (:func:`predict_activations`). The whole step (state,
+activations, the budget and the micro-batch that fits it) is
+:mod:`ddp_course.step_budget`; its names are also reachable here
+(``activation_memory.predict_step`` and so on), where they were first defined.
 
 The model is :class:`ddp_course.models.TinyGPT`; its configuration is a dict
 of TinyGPT's keyword arguments (``vocab_size``, ``d_model``, ``n_heads``,
@@ -18,34 +19,39 @@ of TinyGPT's keyword arguments (``vocab_size``, ``d_model``, ``n_heads``,
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 
 from ddp_course.models import TinyGPT
+from ddp_course.recompute_policies import POLICIES
 
 __all__ = [
-    "ALLOCATOR_BLOCK",
     "POLICIES",
-    "PeakBound",
     "SavedTensorCounter",
-    "StepBudget",
     "Term",
     "block_bytes",
     "block_terms",
-    "fit_micro_batch",
     "korthikanti_block_bytes",
+    "model_config",
     "outside_terms",
     "parameter_count",
-    "peak_bound",
     "predict_activations",
-    "predict_step",
-    "profiled_peak_bytes",
-    "state_bytes",
 ]
 
-#: The checkpointing policies this lesson compares (see ``activation_checkpoint``).
-POLICIES = ("none", "every_block", "every_other_block", "every_submodule", "selective")
+#: Defined in :mod:`ddp_course.step_budget`, reachable here too (see :func:`__getattr__`).
+_STEP_BUDGET = ("ALLOCATOR_BLOCK", "PeakBound", "StepBudget", "fit_micro_batch", "peak_bound",
+                "predict_step", "profiled_peak_bytes", "state_bytes")  # fmt: skip
+
+
+def __getattr__(name: str):
+    """``activation_memory.predict_step`` and the rest of the step's budget, which moved to
+    :mod:`ddp_course.step_budget` (imported on first use: it imports this module)."""
+    if name in _STEP_BUDGET:
+        from ddp_course import step_budget
+
+        return getattr(step_budget, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class SavedTensorCounter:
@@ -134,6 +140,9 @@ class Term:
         bytes: the formula's value.
         region: ``"attention"`` or ``"mlp"`` (inside ``block.attn``/``block.mlp``)
             or ``"block"`` (the LayerNorms and the MLP's dropout, outside both).
+        core: saved inside the attention core (QK^T, softmax, dropout, AV:
+            ``CausalSelfAttention.attention_core``), what Korthikanti et al.'s
+            selective recomputation drops.
     """
 
     name: str
@@ -141,6 +150,7 @@ class Term:
     formula: str
     bytes: int
     region: str = "block"
+    core: bool = False
 
 
 def _check_shapes(batch: int, seq: int, d_model: int, n_heads: int) -> None:
@@ -160,6 +170,7 @@ def block_terms(
     mask_bytes: int | None = None,
     dropout: bool = True,
     flash: bool = False,
+    stats_bytes: int | None = None,
 ) -> list[Term]:
     """The tensors one :class:`~ddp_course.models.Block` saves for backward, term by term.
 
@@ -172,12 +183,21 @@ def block_terms(
     input 8sbh, fc2 input 8sbh, dropout mask sbh) and the two LayerNorm inputs
     ``4 s b h``. The same terms here, with ``e`` bytes per element and ``m``
     per mask element, plus what the paper leaves out as small: each
-    LayerNorm's mean and reciprocal standard deviation (``2 s b`` floats of 4
-    bytes) and the causal mask (``s^2`` bools) that ``masked_fill`` keeps.
+    LayerNorm's mean and reciprocal standard deviation (``2 s b`` values of
+    ``r`` bytes each) and the causal mask (``s^2`` bools) that ``masked_fill`` keeps.
 
     PyTorch's dropout on a CPU multiplies by a mask in the input's dtype, so
     ``m`` defaults to ``e``; a 1-byte mask is the paper's assumption and what
     the fused CUDA kernel (``native_dropout``) keeps: pass ``mask_bytes=1`` there.
+    LayerNorm's statistics on a CPU are in the input's dtype (``r = e``, the
+    default); CUDA's kernel allocates them in the accumulation type
+    (``layer_norm_kernel.cu``: ``acc_type``, float32 for 16-bit inputs): pass
+    ``stats_bytes=4`` there. The 16-bit rows model parameters and activations
+    that are 16-bit themselves (a model cast to bfloat16, or FSDP2's
+    ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``), not ``torch.autocast``:
+    under CUDA autocast ``layer_norm`` and ``softmax`` run in float32 (the AMP
+    operator reference lists them), so their saved input and output are 4 bytes
+    per element.
 
     Args:
         batch: b, sequences per micro-batch.
@@ -186,6 +206,8 @@ def block_terms(
         n_heads: a, attention heads.
         element_bytes: e, 4 for float32, 2 for bfloat16/float16.
         mask_bytes: m; None means ``element_bytes``.
+        stats_bytes: r, bytes of each LayerNorm statistic; None means
+            ``element_bytes`` (a CPU), 4 on CUDA.
         dropout: whether the block trains with dropout > 0 (no masks otherwise,
             and the attention-weights dropout keeps nothing of its own).
         flash: the fused attention kernel (``scaled_dot_product_attention``),
@@ -198,51 +220,59 @@ def block_terms(
     Raises:
         ValueError: non-positive sizes, ``d_model`` not a multiple of
             ``n_heads``, or ``flash`` with ``dropout`` (on a CPU the fused
-            kernel has no dropout and PyTorch runs the written-out attention:
-            predict with ``flash=False``).
+            kernel has no dropout and PyTorch runs its written-out fallback,
+            which keeps the same terms as ``flash=False`` but the causal mask's
+            ``s^2`` bytes: predict it with ``flash=False``, exact within that term).
     """
     _check_shapes(batch, seq, d_model, n_heads)
     if flash and dropout:
         raise ValueError(
             "flash=True with dropout runs the written-out attention on a CPU: "
-            "predict it with flash=False"
+            "predict it with flash=False (exact within the s^2 causal-mask term)"
         )
     s, b, h, a, e = seq, batch, d_model, n_heads, element_bytes
     m = e if mask_bytes is None else mask_bytes
+    r = e if stats_bytes is None else stats_bytes
     sbh = s * b * h
     terms = [
         Term("LayerNorm 1 input", "ln1", "e*sbh", e * sbh),
-        Term("LayerNorm 1 mean, rstd", "ln1", "2*e*sb", 2 * e * s * b),
+        Term("LayerNorm 1 mean, rstd", "ln1", "2*r*sb", 2 * r * s * b),
         Term("Q, K, V input", "q, k, v Linear", "e*sbh", e * sbh, "attention"),
     ]
     if flash:
         terms += [
-            Term("Q, K, V", "attention kernel", "3*e*sbh", 3 * e * sbh, "attention"),
+            Term("Q, K, V", "attention kernel", "3*e*sbh", 3 * e * sbh, "attention", True),
             # Its output's memory is laid out [b, s, a, head_dim]: the projection's
             # input is a view of it, one storage for both.
             Term("output = projection input", "kernel, proj", "e*sbh", e * sbh, "attention"),
-            Term("log-sum-exp", "attention kernel", "4*asb", 4 * a * s * b, "attention"),
+            Term("log-sum-exp", "attention kernel", "4*asb", 4 * a * s * b, "attention", True),
         ]
     else:
+        quad = e * a * s * s * b
         terms += [
-            Term("Q, K", "QK^T", "2*e*sbh", 2 * e * sbh, "attention"),
-            Term("causal mask", "masked_fill", "s^2", s * s, "attention"),
-            Term("softmax output", "softmax", "e*as^2b", e * a * s * s * b, "attention"),
+            Term("Q, K", "QK^T", "2*e*sbh", 2 * e * sbh, "attention", True),
+            Term("causal mask", "masked_fill", "s^2", s * s, "attention", True),
+            Term("softmax output", "softmax", "e*as^2b", quad, "attention", True),
         ]
         if dropout:
             terms += [
                 Term(
-                    "attention dropout mask", "dropout", "m*as^2b", m * a * s * s * b, "attention"
-                ),
-                Term("dropout output", "attention x V", "e*as^2b", e * a * s * s * b, "attention"),
+                    "attention dropout mask",
+                    "dropout",
+                    "m*as^2b",
+                    m * a * s * s * b,
+                    "attention",
+                    True,
+                ),  # fmt: skip
+                Term("dropout output", "attention x V", "e*as^2b", quad, "attention", True),
             ]
-        terms.append(Term("V", "attention x V", "e*sbh", e * sbh, "attention"))
+        terms.append(Term("V", "attention x V", "e*sbh", e * sbh, "attention", True))
         terms.append(Term("projection input", "proj Linear", "e*sbh", e * sbh, "attention"))
     if dropout:
         terms.append(Term("projection dropout mask", "dropout", "m*sbh", m * sbh, "attention"))
     terms += [
         Term("LayerNorm 2 input", "ln2", "e*sbh", e * sbh),
-        Term("LayerNorm 2 mean, rstd", "ln2", "2*e*sb", 2 * e * s * b),
+        Term("LayerNorm 2 mean, rstd", "ln2", "2*r*sb", 2 * r * s * b),
         Term("fc1 input", "fc1 Linear", "e*sbh", e * sbh, "mlp"),
         Term("GELU input", "GELU", "4*e*sbh", 4 * e * sbh, "mlp"),
         Term("fc2 input", "fc2 Linear", "4*e*sbh", 4 * e * sbh, "mlp"),
@@ -269,7 +299,7 @@ def korthikanti_block_bytes(seq: int, batch: int, hidden: int, heads: int) -> in
 
 def outside_terms(
     batch: int, seq: int, d_model: int, vocab_size: int, *, element_bytes: int = 4,
-    mask_bytes: int | None = None, dropout: bool = True,
+    mask_bytes: int | None = None, dropout: bool = True, stats_bytes: int | None = None,
 ) -> list[Term]:  # fmt: skip
     """What TinyGPT saves outside its blocks, with :func:`~ddp_course.models.lm_loss`.
 
@@ -281,6 +311,7 @@ def outside_terms(
     """
     s, b, h, e = seq, batch, d_model, element_bytes
     m = e if mask_bytes is None else mask_bytes
+    r = e if stats_bytes is None else stats_bytes
     terms = [
         Term("token ids", "tok_emb", "8*sb", 8 * s * b),
         Term("positions", "pos_emb", "8*s", 8 * s),
@@ -289,7 +320,7 @@ def outside_terms(
         terms.append(Term("embedding dropout mask", "dropout", "m*sbh", m * s * b * h))
     terms += [
         Term("final LayerNorm input", "ln_f", "e*sbh", e * s * b * h),
-        Term("final LayerNorm mean, rstd", "ln_f", "2*e*sb", 2 * e * s * b),
+        Term("final LayerNorm mean, rstd", "ln_f", "2*r*sb", 2 * r * s * b),
         Term("head input", "head Linear", "e*sbh", e * s * b * h),
         Term("log_softmax output", "cross-entropy", "e*sbV", e * s * b * vocab_size),
         Term("targets", "cross-entropy", "8*sb", 8 * s * b),
@@ -305,7 +336,13 @@ def parameter_count(cfg: Mapping) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _cfg(cfg: Mapping) -> dict:
+def model_config(cfg: Mapping) -> dict:
+    """TinyGPT's keyword arguments: ``cfg`` over the defaults this lesson predicts with
+    (V=256, d=64, 4 heads, 2 layers, 64 positions, no dropout, fused attention).
+
+    Raises:
+        ValueError: a key that is not one of TinyGPT's arguments.
+    """
     full = {"vocab_size": 256, "d_model": 64, "n_heads": 4, "n_layers": 2, "seq_len": 64,
             "dropout": 0.0, "flash": True} | dict(cfg)  # fmt: skip
     unknown = set(full) - {"vocab_size", "d_model", "n_heads", "n_layers", "seq_len",
@@ -317,38 +354,48 @@ def _cfg(cfg: Mapping) -> dict:
 
 def predict_activations(
     cfg: Mapping, batch: int, seq: int, policy: str = "none", *, element_bytes: int = 4,
-    mask_bytes: int | None = None,
+    mask_bytes: int | None = None, stats_bytes: int | None = None,
 ) -> dict[str, int]:  # fmt: skip
-    """Activation bytes of TinyGPT(**cfg) under a checkpointing policy.
+    """Activation bytes of TinyGPT(**cfg) under a checkpointing policy (see
+    :func:`ddp_course.activation_checkpoint.apply_policy`), with the course's
+    reentrant checkpoint (``impl="ours"``), whose saved inputs the hooks see.
 
     Checkpointing a region keeps its input (a block's input ``e s b h``;
     for ``every_submodule`` the two LayerNorm outputs) and recomputes the rest
     in backward, where one region's full activations live again for a while.
-    ``selective`` keeps each block's input and its matmul outputs (Q, K, V,
+    ``op_sac`` keeps each block's input and its matmul outputs (Q, K, V,
     scores ``e a s^2 b``, attention x V, projection, fc1 ``4 e s b h``, fc2)
-    and recomputes the element-wise operations.
+    and recomputes the element-wise operations. ``core_attention`` keeps every
+    term outside the attention core (:attr:`Term.core`) and the core's inputs
+    Q, K, V (``3 e s b h``): the ``a s^2 b`` terms go. ``every_linear`` keeps
+    what ``none`` keeps: each Linear's checkpoint keeps the input the Linear
+    saved anyway.
 
     Returns:
         ``{"held": bytes saved when forward returns, "recompute": bytes of the
-        largest region recomputed in backward (0 for "none")}``.
+        largest region recomputed in backward (0 for "none" and "every_linear",
+        whose rerun saves only the input already held)}``.
 
     Raises:
-        ValueError: an unknown policy or configuration, or as :func:`block_terms`.
+        ValueError: an unknown policy or configuration, ``op_sac`` with
+            ``flash=True``, or as :func:`block_terms`.
     """
-    c = _cfg(cfg)
+    c = model_config(cfg)
+    policy = "op_sac" if policy == "selective" else policy
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, not {policy!r}")
     if seq > c["seq_len"]:
         raise ValueError(f"seq={seq} is longer than the model's seq_len={c['seq_len']}")
     s, b, h, a, e = seq, batch, c["d_model"], c["n_heads"], element_bytes
     dropout = c["dropout"] > 0
-    kw = {"element_bytes": e, "mask_bytes": mask_bytes, "dropout": dropout, "flash": c["flash"]}
+    kw = {"element_bytes": e, "mask_bytes": mask_bytes, "dropout": dropout, "flash": c["flash"],
+          "stats_bytes": stats_bytes}  # fmt: skip
     out = outside_terms(b, s, h, c["vocab_size"], element_bytes=e, mask_bytes=mask_bytes,
-                        dropout=dropout)  # fmt: skip
+                        dropout=dropout, stats_bytes=stats_bytes)  # fmt: skip
     outside = sum(t.bytes for t in out)
     full = block_bytes(b, s, h, a, **kw)
     sbh, n = s * b * h, c["n_layers"]
-    if policy == "none":
+    if policy in ("none", "every_linear"):
         return {"held": outside + n * full, "recompute": 0}
     if policy == "every_block":
         return {"held": outside + n * e * sbh, "recompute": full}
@@ -361,222 +408,12 @@ def predict_activations(
         kept = sum(t.bytes for t in terms if t.region == "block") + 2 * e * sbh
         regions = [sum(t.bytes for t in terms if t.region == r) for r in ("attention", "mlp")]
         return {"held": outside + n * kept, "recompute": max(regions)}
+    if policy == "core_attention":
+        core = sum(t.bytes for t in terms if t.core)
+        return {"held": outside + n * (full - core + 3 * e * sbh), "recompute": core}
     if c["flash"]:
-        raise ValueError("selective checkpointing is predicted for flash=False only")
+        raise ValueError("op-level SAC is predicted for flash=False only")
     # Outputs of the matmuls: Q, K, V, proj and fc2 (sbh each), attention x V (sbh),
     # fc1 (4 sbh) and the scores (a s^2 b); with the block's input.
     matmuls = e * (10 * sbh + a * s * s * b)
     return {"held": outside + n * (e * sbh + matmuls), "recompute": full}
-
-
-def state_bytes(
-    model: torch.nn.Module, *, optimizer: str = "adamw", element_bytes: int = 4
-) -> dict[str, int]:
-    """Bytes of parameters, gradients and optimizer state, exactly.
-
-    AdamW keeps two tensors per parameter (``exp_avg``, ``exp_avg_sq``; Loshchilov
-    and Hutter 2019, algorithm 2) of the parameter's size and dtype, and one
-    float32 ``step`` scalar per parameter tensor (``torch.optim.AdamW``'s
-    default, ``capturable=False``, keeps it as a tensor). SGD without momentum
-    keeps nothing.
-
-    Args:
-        model: its parameters (on any device, ``meta`` included).
-        optimizer: ``"adamw"`` or ``"sgd"``.
-        element_bytes: bytes per element of parameters, gradients and state.
-
-    Returns:
-        ``{"parameters", "gradients", "optimizer"}`` in bytes.
-
-    Raises:
-        ValueError: an unknown optimizer.
-    """
-    if optimizer not in ("adamw", "sgd"):
-        raise ValueError(f"optimizer must be 'adamw' or 'sgd', not {optimizer!r}")
-    params = list(model.parameters())
-    n = sum(p.numel() for p in params)
-    opt = (2 * n * element_bytes + 4 * len(params)) if optimizer == "adamw" else 0
-    return {"parameters": n * element_bytes, "gradients": n * element_bytes, "optimizer": opt}
-
-
-@dataclasses.dataclass(frozen=True)
-class StepBudget:
-    """Predicted bytes of one training step of TinyGPT (one process, float32).
-
-    Attributes:
-        parameters, gradients, optimizer: :func:`state_bytes`.
-        activations: held when forward returns (:func:`predict_activations`).
-        recompute: the largest checkpointed region, alive again in backward.
-        logits: the ``[b, s, V]`` logits the caller holds until the loss is
-            computed (not saved for backward: ``log_softmax`` saves its output).
-    """
-
-    parameters: int
-    gradients: int
-    optimizer: int
-    activations: int
-    recompute: int
-    logits: int
-
-    @property
-    def total(self) -> int:
-        """Sum of every field, bytes."""
-        return sum(dataclasses.astuple(self))
-
-
-def predict_step(cfg: Mapping, batch: int, seq: int, policy: str = "none",
-                 optimizer: str = "adamw") -> StepBudget:  # fmt: skip
-    """Predict a step's :class:`StepBudget` before running it (float32 on one process).
-
-    Raises:
-        ValueError: as :func:`predict_activations` and :func:`state_bytes`.
-    """
-    c = _cfg(cfg)
-    with torch.device("meta"):
-        model = TinyGPT(**c)
-    state = state_bytes(model, optimizer=optimizer)
-    act = predict_activations(c, batch, seq, policy)
-    logits = 4 * batch * seq * c["vocab_size"]
-    return StepBudget(**state, activations=act["held"], recompute=act["recompute"],
-                      logits=logits)  # fmt: skip
-
-
-def fit_micro_batch(
-    cfg: Mapping,
-    budget_bytes: int,
-    seq: int,
-    policies: Iterable[str] = ("none", "every_other_block", "every_block"),
-    optimizer: str = "adamw",
-    max_batch: int = 1 << 16,
-) -> tuple[str, int, StepBudget]:
-    """The largest micro-batch whose predicted step fits ``budget_bytes``, and its policy.
-
-    Each policy's largest micro-batch is found by bisection on
-    :func:`predict_step` (its total grows with the batch). The policy with
-    the largest micro-batch wins; on a tie, the one listed first (list them
-    from the least recomputation to the most).
-
-    Returns:
-        ``(policy, micro_batch, budget)``: ``budget.total <= budget_bytes`` and
-        one more sample would not fit under that policy.
-
-    Raises:
-        ValueError: not even one sample fits under any policy (the state
-            alone may be too large: shard it, lesson 09).
-    """
-    best = None
-    for policy in policies:
-        if predict_step(cfg, 1, seq, policy, optimizer).total > budget_bytes:
-            continue
-        lo, hi = 1, max_batch
-        while lo < hi:  # the largest batch that fits lies in [lo, hi]
-            mid = (lo + hi + 1) // 2
-            if predict_step(cfg, mid, seq, policy, optimizer).total <= budget_bytes:
-                lo = mid
-            else:
-                hi = mid - 1
-        if best is None or lo > best[1]:
-            best = (policy, lo, predict_step(cfg, lo, seq, policy, optimizer))
-    if best is None:
-        need = min(predict_step(cfg, 1, seq, p, optimizer).total for p in policies)
-        raise ValueError(
-            f"one sample needs {need:,} bytes, more than the budget of {budget_bytes:,}: "
-            "shard the model's state or shorten the sequence"
-        )
-    return best
-
-
-#: Bytes: CUDA's caching allocator hands out blocks of a multiple of 512 bytes
-#: (``kMinBlockSize`` in ``c10/cuda/CUDACachingAllocator.cpp``), and
-#: ``torch.cuda.max_memory_allocated`` counts blocks, not the tensors' bytes.
-ALLOCATOR_BLOCK = 512
-
-
-@dataclasses.dataclass(frozen=True)
-class PeakBound:
-    """Where an allocator's peak over one forward and backward must lie, bytes.
-
-    Attributes:
-        low: what must be alive at once (see :func:`peak_bound`).
-        high: everything that may be alive at once.
-    """
-
-    low: int
-    high: int
-
-    def check(self, peak: int) -> float:
-        """``peak`` as a fraction of :attr:`high`, once it is checked to lie in the bound.
-
-        Raises:
-            ValueError: ``peak`` below :attr:`low` (the prediction counts bytes that were
-                never allocated) or above :attr:`high` (something the prediction leaves
-                out was alive).
-        """
-        if not self.low <= peak <= self.high:
-            raise ValueError(
-                f"allocator peak {peak:,} B outside the predicted bound "
-                f"[{self.low:,}, {self.high:,}] B"
-            )
-        return peak / self.high
-
-
-def peak_bound(
-    *, activations: int, recompute: int, gradients: int, logits: int, largest: int,
-    tensors: int,
-) -> PeakBound:  # fmt: skip
-    """Bound an allocator's peak during one forward and backward, above the weights.
-
-    - Low: when forward ends, every activation saved for backward is alive, and so are the
-      logits (the log-softmax reads them; its output is one of the activations):
-      ``activations + logits``.
-    - High: at most everything at once: the activations, the largest region recomputed in
-      backward, every gradient, the logits and the two gradients of their size the loss's
-      backward holds together (with respect to the log-probabilities and to the logits),
-      an operation's backward holding the gradients of its output and its input (twice the
-      largest tensor of a block), and the allocator's rounding: less than
-      :data:`ALLOCATOR_BLOCK` bytes per live tensor, ``tensors`` of them at most.
-
-    Args:
-        activations, recompute: :func:`predict_activations`' ``held`` and ``recompute``.
-        gradients: bytes of the parameters' gradients (:func:`state_bytes`).
-        logits: bytes of the ``[b, s, V]`` logits.
-        largest: bytes of the largest tensor inside a block (the scores ``e a s^2 b`` of the
-            written-out attention, or the MLP's ``4 e s b h``).
-        tensors: tensors alive at once, at most: the saved storages, the gradients and a
-            few temporaries.
-
-    Raises:
-        ValueError: a negative term.
-    """
-    terms = (activations, recompute, gradients, logits, largest, tensors)
-    if min(terms) < 0:
-        raise ValueError(f"the terms of the bound must not be negative: {terms}")
-    high = (activations + recompute + gradients + 3 * logits + 2 * largest
-            + ALLOCATOR_BLOCK * tensors)  # fmt: skip
-    return PeakBound(low=activations + logits, high=high)
-
-
-def profiled_peak_bytes(fn: Callable[[], object]) -> int:
-    """The CPU allocator's peak during ``fn()``, bytes above what was allocated before.
-
-    Runs ``fn`` under ``torch.profiler.profile(profile_memory=True)``
-    (https://pytorch.org/docs/stable/profiler.html) and adds up, in time
-    order, the bytes each recorded operator allocated and freed itself
-    (``self_cpu_memory_usage``; a free is negative). An allocation and a free
-    inside one operator cancel, so this is a lower bound of the true peak at
-    operator granularity. On a GPU use ``torch.cuda.max_memory_allocated``.
-    """
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    changes = sorted(
-        (ev.time_range.start, ev.self_cpu_memory_usage)
-        for ev in prof.events()
-        if ev.self_cpu_memory_usage
-    )
-    peak = live = 0
-    for _, delta in changes:
-        live += delta
-        peak = max(peak, live)
-    return peak

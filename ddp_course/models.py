@@ -228,17 +228,33 @@ class CausalSelfAttention(nn.Module):
         batch, seq = x.shape[:2]
         return x.view(batch, seq, -1, self.head_dim).transpose(1, 2)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self._heads(self.q(x)), self._heads(self.k(x)), self._heads(self.v(x))
+    def attention_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The attention core: ``dropout(softmax(Q K^T / sqrt(head_dim) + causal)) V``.
+
+        Everything between the Q, K, V projections and the output projection,
+        the part Korthikanti et al. 2022 (section 5, "selective activation
+        recomputation") recompute, because it keeps the ``a s^2 b`` tensors.
+        A method of its own so that a checkpointing policy can wrap it alone
+        (``ddp_course.recompute_policies``).
+
+        Args:
+            q, k, v: ``[B, heads, T, head_dim]``.
+
+        Returns:
+            ``[B, heads, T, head_dim]``, in q's dtype.
+        """
         p = self.dropout if self.training else 0.0
         if self.flash:
-            y = functional.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        else:
-            seq = q.shape[-2]
-            scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)
-            mask = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
-            probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
-            y = functional.dropout(probs, p) @ v
+            return functional.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        seq = q.shape[-2]
+        scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)
+        mask = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+        return functional.dropout(probs, p) @ v
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self._heads(self.q(x)), self._heads(self.k(x)), self._heads(self.v(x))
+        y = self.attention_core(q, k, v)
         batch, seq = x.shape[:2]
         return self.drop(self.proj(y.transpose(1, 2).reshape(batch, seq, -1)))
 

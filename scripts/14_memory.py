@@ -10,17 +10,27 @@ each checkpointing policy, measures the bytes saved for backward with
 saved-tensor hooks, predicts them from the shapes (ddp_course.activation_memory),
 checks that the gradients equal those without checkpointing bit for bit, counts
 the matmul FLOPs of forward and backward (recomputation shows as extra FLOPs)
-and times the step (printed, never asserted). On a GPU it also reads the CUDA
-allocator's peak for each policy and checks it lies within the bound that
+and times the step (median, min and max of --steps; printed, never asserted;
+torchrun sets OMP_NUM_THREADS=1, so a rank computes on one thread where a plain
+process uses every core). The policies are those of
+ddp_course.activation_checkpoint.apply_policy: whole regions, op-level SAC
+(torchtitan's "op" mode), Korthikanti et al.'s selective recomputation of the
+attention core, and every Linear on its own (the anti-pattern: no byte saved).
+On a GPU it also reads the CUDA allocator's peak for each policy and checks it
+lies within the bound that
 ddp_course.activation_memory.peak_bound predicts (at least the activations and
 the logits; at most everything the step may hold at once, with the allocator's
 512-byte rounding); on a CPU that part is skipped and says so. With 2 or more
 ranks it shards the model with FSDP2 under MixedPrecisionPolicy(
 param_dtype=bfloat16, reduce_dtype=float32) and measures each state's bytes on
-every rank against the formula. Rank 0 writes --results.
+every rank against the formula: shards per parameter as torch.chunk splits its
+first dimension (uneven when N does not divide it), the bf16 all-gather of a
+block counted from the collective itself (padding included). Rank 0 writes
+--results.
 """
 
 import argparse
+import math
 import statistics
 import time
 
@@ -32,6 +42,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ddp_course import activation_checkpoint as ac
 from ddp_course import activation_memory as am
+from ddp_course.comm_cost import CollectiveLog
 from ddp_course.data import lm_batch, shakespeare_bytes
 from ddp_course.models import TinyGPT, lm_loss
 from ddp_course.runtime import distributed, get_logger
@@ -98,7 +109,8 @@ def measure_policy(args, policy, dev, x, y, reference):
     row = {"policy": policy, "measured_bytes": held,
            "predicted_bytes": predicted["held"], "recompute_bytes": predicted["recompute"],
            "flops": flops.get_total_flops(), "grads_equal_none": equal,
-           "step_s": statistics.median(times)}  # fmt: skip
+           "step_s": statistics.median(times), "step_s_min": min(times),
+           "step_s_max": max(times), "threads": torch.get_num_threads()}  # fmt: skip
     if dev.type == "cuda":
         # The allocator's peak above the weights: activations, gradients, logits and the
         # region recomputed in backward, with the temporaries and rounding of the bound.
@@ -125,13 +137,24 @@ def measure_policy(args, policy, dev, x, y, reference):
     return row, grads
 
 
+def shard_numel(shape, rank, n):
+    """Elements of a parameter on ``rank`` under FSDP2: ``torch.chunk`` of dim 0 in ``n``."""
+    rows, chunk = shape[0], math.ceil(shape[0] / n)
+    return max(0, min(chunk, rows - rank * chunk)) * math.prod(shape[1:])
+
+
 def fsdp_mixed_precision(args, ctx):
     """Bytes of each state on this rank under FSDP2 with bf16 compute, and the formulas."""
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
     torch.manual_seed(args.seed)
     model = TinyGPT(**(config(args) | {"dropout": 0.0})).to(ctx.device)
+    n, r = ctx.world_size, ctx.rank
     n_params = sum(p.numel() for p in model.parameters())
-    block_params = sum(p.numel() for p in model.blocks[0].parameters())
+    shapes = [p.shape for p in model.parameters()]
+    local_params = sum(shard_numel(shape, r, n) for shape in shapes)
+    # The all-gather's output pads each parameter's dim 0 to n equal chunks.
+    block_padded = sum(math.ceil(p.shape[0] / n) * n * p[0].numel()
+                       for p in model.blocks[0].parameters())  # fmt: skip
     # NEW: parameters stored sharded in float32, gathered in bfloat16 for compute,
     # gradients reduce-scattered in float32.
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -148,7 +171,10 @@ def fsdp_mixed_precision(args, ctx):
         block.attn.register_forward_pre_hook(during_compute)
     x, y = lm_batch(shakespeare_bytes("train"), args.batch_size, args.seq_len,
                     torch.Generator().manual_seed(args.seed))  # fmt: skip
-    lm_loss(model(x.to(ctx.device)).float(), y.to(ctx.device)).backward()
+    comms = CollectiveLog()
+    with comms.recording("forward"):  # all-gathers: the root's parameters, then each block's
+        logits = model(x.to(ctx.device))
+    lm_loss(logits.float(), y.to(ctx.device)).backward()
     optimizer = torch.optim.AdamW(model.parameters())
     optimizer.step()
 
@@ -156,19 +182,19 @@ def fsdp_mixed_precision(args, ctx):
         t = t.to_local() if hasattr(t, "to_local") else t
         return t.numel() * t.element_size()
 
-    n = ctx.world_size
+    gathers = [c for c in comms.calls if c["op"] == "all_gather"]
     measured = {
         "sharded_parameters": sum(local(p) for p in model.parameters()),
-        "unsharded_bf16_block": sum(b for _, b in gathered[0]),
+        "unsharded_bf16_block": gathers[1]["bytes"],  # block 0's, after the root's
         "gathered_dtypes": sorted({str(d) for g in gathered for d, _ in g}),
         "sharded_gradients": sum(local(p.grad) for p in model.parameters()),
         "gradient_dtypes": sorted({str(p.grad.dtype) for p in model.parameters()}),
         "adamw_state": sum(local(v) for s in optimizer.state.values() for v in s.values()),
     }
     tensors = len(list(model.parameters()))
-    formula = {"sharded_parameters": 4 * n_params // n, "unsharded_bf16_block": 2 * block_params,
-               "sharded_gradients": 4 * n_params // n,
-               "adamw_state": 8 * n_params // n + 4 * tensors}  # fmt: skip
+    formula = {"sharded_parameters": 4 * local_params, "unsharded_bf16_block": 2 * block_padded,
+               "sharded_gradients": 4 * local_params,
+               "adamw_state": 8 * local_params + 4 * tensors}  # fmt: skip
     return {"rank": ctx.rank, "parameters": n_params, "measured": measured, "formula": formula}
 
 
@@ -189,7 +215,7 @@ def main():
             ms, equal = row["step_s"] * 1e3, row["grads_equal_none"]
             log.info(f"{policy:>17}: saved {row['measured_bytes']:>9,} B (predicted "
                      f"{row['predicted_bytes']:,}), {row['flops']:,} FLOPs, grads equal to "
-                     f"none: {equal}, step {ms:.1f} ms")  # fmt: skip
+                     f"none: {equal}, step {ms:.1f} ms on {row['threads']} thread(s)")  # fmt: skip
             if "cuda_peak_bytes" in row:
                 log.info(f"{'':>17}  CUDA peak {row['cuda_peak_bytes']:,} B within "
                          f"[{row['cuda_low_bytes']:,}, {row['cuda_high_bytes']:,}] B, "

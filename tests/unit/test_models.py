@@ -88,3 +88,16 @@ def test_lm_loss_is_the_mean_over_every_token():
     targets = torch.randint(5, (2, 3))
     per_token = -logits.log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1)
     torch.testing.assert_close(models.lm_loss(logits, targets), per_token.mean())
+
+
+@pytest.mark.parametrize("flash", [False, True])
+def test_attention_core_is_the_part_of_forward_between_the_projections(flash):
+    torch.manual_seed(0)
+    attn = models.CausalSelfAttention(16, 4, flash=flash).eval()
+    x = torch.randn(2, 8, 16)
+    heads = [lin(x).view(2, 8, 4, 4).transpose(1, 2) for lin in (attn.q, attn.k, attn.v)]
+    y = attn.attention_core(*heads)
+    assert y.shape == (2, 4, 8, 4)
+    torch.testing.assert_close(attn.proj(y.transpose(1, 2).reshape(2, 8, 16)), attn(x))
+    attn.attention_core = lambda q, k, v: torch.zeros_like(q)  # forward calls it, by name
+    torch.testing.assert_close(attn(x), attn.proj.bias.expand(2, 8, 16))
