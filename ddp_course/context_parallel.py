@@ -3,15 +3,17 @@
 Each rank holds ``T_local`` consecutive (or zig-zag placed) tokens of one long
 sequence: its queries, keys and values are ``[B, heads, T_local, head_dim]``.
 Attention needs every query against every key, so the ranks exchange keys and
-values. Three ways are written here from scratch:
+values. Three ways are written from scratch; ring attention here, the other two
+in :mod:`ddp_course.context_parallel_ulysses` (re-exported: ``cp.ulysses_attention``):
 
 - **Ring attention** (:func:`ring_attention`; Liu, Zaharia and Abbeel, "Ring
   Attention with Blockwise Transformers for Near-Infinite Context", 2023,
   section 3). Key/value chunks travel around a ring of ranks with
-  point-to-point sends (``dist.batch_isend_irecv``); each rank attends its
-  queries to the chunk it holds and merges the partial results with their
-  log-sum-exp (:func:`merge_partials`: the online softmax of Milakov and
-  Gimelshein, "Online normalizer calculation for softmax", 2018, used by Dao
+  point-to-point sends (``dist.batch_isend_irecv``), each pass posted before
+  the current chunk's compute and waited for after it (:class:`RingPass`); each
+  rank attends its queries to the chunk it holds and merges the partial results
+  with their log-sum-exp (:func:`merge_partials`: the online softmax of Milakov
+  and Gimelshein, "Online normalizer calculation for softmax", 2018, used by Dao
   et al., "FlashAttention", 2022, section 3.1). The backward pass sends the
   keys and values around again with their gradient accumulators, which come
   home after a full turn (FlashAttention-2's backward, Dao 2023, algorithm 2,
@@ -20,16 +22,11 @@ values. Three ways are written here from scratch:
   with a causal mask and contiguous chunks, rank P-1 has the most keys to
   attend to and rank 0 the fewest; cutting the sequence into 2P chunks and
   giving rank r chunks r and 2P-1-r evens the work (used by Llama 3's context
-  parallelism and the ring-flash-attention project).
-- **DeepSpeed-Ulysses** (:func:`ulysses_attention`; Jacobs et al., "DeepSpeed
-  Ulysses: System Optimizations for Enabling Training of Extreme Long Sequence
-  Transformer Models", 2023, section 3): one all-to-all turns the
-  sequence-sharded q, k, v into head-sharded ones over the whole sequence,
-  every rank runs ordinary attention for heads/P heads, and one all-to-all
-  turns the output back.
-
-And the simplest: gather all keys and values (:func:`allgather_attention`,
-with the exact hand-written :func:`gather_sequence`).
+  parallelism and the ring-flash-attention project). :func:`ring_step_work`
+  and :func:`load_balance` count what the unevenness costs.
+- **DeepSpeed-Ulysses** (``ulysses_attention``; Jacobs et al. 2023): all-to-alls
+  swap sequence shards for head shards. And the simplest: gather all keys and
+  values (``allgather_attention``, with the exact hand-written ``gather_sequence``).
 
 Masks are global: every rank knows the positions its tokens hold in the whole
 sequence (:func:`sequence_positions`), and a query at position i sees a key at
@@ -185,6 +182,32 @@ def merge_partials(
     return out, lse
 
 
+def block_attention_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    lse: torch.Tensor,
+    grad_out: torch.Tensor,
+    delta: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One block's share of the q, k, v gradients, from the *final* log-sum-exp.
+
+    FlashAttention-2's backward (Dao 2023, algorithm 2) for one block: the
+    softmax weights ``P = exp(S - lse)`` with the whole row's ``lse``,
+    ``dV = P^T dO``, ``dS = P * (dO V^T - delta)`` with ``delta = rowsum(dO * O)``,
+    ``dQ = dS K / sqrt(D)``, ``dK = dS^T Q / sqrt(D)``. Shapes as
+    :func:`block_attention`; ``lse`` and ``delta`` ``[B, H, Tq]``.
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    scores = (q @ k.transpose(-2, -1)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    p = torch.exp(scores - lse[..., None])  # final softmax weights
+    ds = p * (grad_out @ v.transpose(-2, -1) - delta[..., None])
+    return (ds @ k) * scale, (ds.transpose(-2, -1) @ q) * scale, p.transpose(-2, -1) @ grad_out
+
+
 def blockwise_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -276,32 +299,6 @@ def ring_schedule(
             q_off += q_len
 
 
-def ring_work(
-    world_size: int,
-    t_local: int,
-    layout: str = "contiguous",
-    causal: bool = True,
-    document_ids: torch.Tensor | None = None,
-) -> list[dict[str, int]]:
-    """Work per rank, counted by walking :func:`ring_schedule` (no formula).
-
-    Returns:
-        One dict per rank: ``blocks`` (products computed), ``pairs`` (query-key
-        scores computed, the blocks' sizes) and ``visible`` (scores the mask keeps).
-    """
-    work = []
-    for rank in range(world_size):
-        blocks = list(ring_schedule(rank, world_size, t_local, layout, causal, document_ids))
-        work.append({
-            "blocks": len(blocks),
-            "pairs": sum((b.q.stop - b.q.start) * (b.kv.stop - b.kv.start) for b in blocks),
-            "visible": sum(
-                (b.q.stop - b.q.start) * (b.kv.stop - b.kv.start) if b.mask is None
-                else int(b.mask.sum()) for b in blocks),
-        })  # fmt: skip
-    return work
-
-
 # ------------------------------------------------------------ communication
 
 
@@ -313,24 +310,35 @@ def _global(group, group_rank: int) -> int:
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
 
-def ring_pass(tensors: list[torch.Tensor], group=None) -> list[torch.Tensor]:
-    """Send ``tensors`` to the next rank of the ring and return the previous rank's.
+class RingPass:
+    """One ring pass in flight: ``tensors`` go to the next rank, the previous rank's come in.
 
-    Point-to-point, all sends and receives posted together with
-    ``dist.batch_isend_irecv`` (works on gloo and nccl). Each rank sends the
-    bytes of ``tensors`` once.
+    Creating it posts every send and receive at once (``dist.batch_isend_irecv``,
+    which works on gloo and nccl) and returns without waiting; :meth:`wait` waits
+    and returns the received tensors (contiguous, shaped and typed like the sent
+    ones). Whatever runs between the two overlaps the transfer. ``tag`` tells
+    two passes in flight at once apart (gloo matches messages by tag).
     """
-    rank, size = _group_info(group)
-    nxt, prv = _global(group, (rank + 1) % size), _global(group, (rank - 1) % size)
-    received = [torch.empty_like(t) for t in tensors]
-    ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group) for t in tensors]
-    ops += [dist.P2POp(dist.irecv, r, prv, group) for r in received]
-    for req in dist.batch_isend_irecv(ops):
-        req.wait()
-    return received
+
+    def __init__(self, tensors: list[torch.Tensor], group=None, tag: int = 0):
+        rank, size = _group_info(group)
+        nxt, prv = _global(group, (rank + 1) % size), _global(group, (rank - 1) % size)
+        self._sent = [t.contiguous() for t in tensors]  # alive until the sends complete
+        self.received = [torch.empty_like(t) for t in self._sent]
+        ops = [dist.P2POp(dist.isend, t, nxt, group, tag + i) for i, t in enumerate(self._sent)]
+        ops += [dist.P2POp(dist.irecv, r, prv, group, tag + i) for i, r in enumerate(self.received)]
+        self._requests = dist.batch_isend_irecv(ops)
+
+    def wait(self) -> list[torch.Tensor]:
+        """Wait for every send and receive of this pass; the previous rank's tensors."""
+        for req in self._requests:
+            req.wait()
+        return self.received
 
 
-def _check_qkv(q, k, v, world_size, layout, document_ids):
+def check_qkv(q, k, v, world_size, layout, document_ids) -> None:
+    """Raise ValueError unless q, k, v are ``[B, H, T_local, D]`` alike, ``layout`` fits
+    ``T_local`` and ``document_ids`` holds one id per global position."""
     if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
         raise ValueError(
             "q, k, v must have the same shape [batch, heads, T_local, head_dim], got "
@@ -357,12 +365,21 @@ def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _blocks_by_step(rank, size, t_local, layout, causal, doc) -> list[list[Block]]:
+    steps: list[list[Block]] = [[] for _ in range(size)]
+    for block in ring_schedule(rank, size, t_local, layout, causal, doc):
+        steps[block.step].append(block)
+    return steps
+
+
 class RingAttention(torch.autograd.Function):
     """Ring attention's forward and backward (see :func:`ring_attention`).
 
     Keys and values travel in the inputs' dtype; each block's softmax, the running
     output and log-sum-exp (forward) and the gradient accumulators (backward, which
     travel with K and V) are in ``acc``; results are cast back to the inputs' dtype.
+    Every pass is posted before the blocks of the current step are computed and
+    waited for after them (:class:`RingPass`), so the transfer can hide behind them.
     """
 
     @staticmethod
@@ -371,19 +388,19 @@ class RingAttention(torch.autograd.Function):
         doc = None if document_ids is None else document_ids.cpu()
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
-        q_acc = q.to(acc)
-        kv, step = (k, v), 0
-        for block in ring_schedule(rank, size, q.shape[2], layout, causal, doc):
-            while block.step > step:  # the next source's keys and values
-                kv, step = ring_pass(list(kv), group), step + 1
-            mask = None if block.mask is None else block.mask.to(q.device)
-            o, s = block_attention(q_acc[:, :, block.q], kv[0][:, :, block.kv].to(acc),
-                                   kv[1][:, :, block.kv].to(acc), mask)  # fmt: skip
-            out[:, :, block.q], lse[:, :, block.q] = merge_partials(
-                out[:, :, block.q], lse[:, :, block.q], o, s
-            )
-        while step < size - 1:  # every rank passes P-1 times, or the ring stalls
-            kv, step = ring_pass(list(kv), group), step + 1
+        q_acc, kv = q.to(acc), (k, v)
+        # Every rank passes P-1 times, also at steps it computes nothing, or the ring stalls.
+        for step, blocks in enumerate(_blocks_by_step(rank, size, q.shape[2], layout, causal, doc)):
+            ahead = RingPass(list(kv), group) if step < size - 1 else None  # next source's K, V
+            for block in blocks:
+                mask = None if block.mask is None else block.mask.to(q.device)
+                o, s = block_attention(q_acc[:, :, block.q], kv[0][:, :, block.kv].to(acc),
+                                       kv[1][:, :, block.kv].to(acc), mask)  # fmt: skip
+                out[:, :, block.q], lse[:, :, block.q] = merge_partials(
+                    out[:, :, block.q], lse[:, :, block.q], o, s
+                )
+            if ahead is not None:
+                kv = tuple(ahead.wait())
         # out and lse kept in acc: with lse rounded to bfloat16 the backward's softmax
         # rows sum to 0.985-1.016 instead of 1 (measured, causal, T = 512, lse up to 7).
         ctx.save_for_backward(q, k, v, out, lse, document_ids)
@@ -396,36 +413,36 @@ class RingAttention(torch.autograd.Function):
         group, acc = ctx.group, out.dtype
         rank, size = _group_info(group)
         doc = None if document_ids is None else document_ids.cpu()
-        scale = 1.0 / math.sqrt(q.shape[-1])
         grad_out = grad_out.contiguous().to(acc)
         delta = (grad_out * out).sum(-1)  # D_i = rowsum(dO * O), FlashAttention-2 eq. for dS
         q_acc = q.to(acc)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        k_cur, v_cur = k, v
-        dk_cur = torch.zeros(k.shape, dtype=acc, device=k.device)
-        dv_cur = torch.zeros(v.shape, dtype=acc, device=v.device)
-        step = 0
-        for block in ring_schedule(rank, size, q.shape[2], ctx.layout, ctx.causal, doc):
-            while block.step > step:
-                k_cur, v_cur, dk_cur, dv_cur = ring_pass([k_cur, v_cur, dk_cur, dv_cur], group)
-                step += 1
-            qi = q_acc[:, :, block.q]
-            kj, vj = k_cur[:, :, block.kv].to(acc), v_cur[:, :, block.kv].to(acc)
-            scores = (qi @ kj.transpose(-2, -1)) * scale
-            if block.mask is not None:
-                scores = scores.masked_fill(~block.mask.to(q.device), float("-inf"))
-            p = torch.exp(scores - lse[:, :, block.q][..., None])  # final softmax weights
-            do = grad_out[:, :, block.q]
-            dv_cur[:, :, block.kv] += p.transpose(-2, -1) @ do
-            ds = p * (do @ vj.transpose(-2, -1) - delta[:, :, block.q][..., None])
-            dq[:, :, block.q] += (ds @ kj) * scale
-            dk_cur[:, :, block.kv] += (ds.transpose(-2, -1) @ qi) * scale
-        while step < size - 1:
-            k_cur, v_cur, dk_cur, dv_cur = ring_pass([k_cur, v_cur, dk_cur, dv_cur], group)
-            step += 1
-        if size > 1:  # one more hop brings each accumulator back to its owner
-            dk_cur, dv_cur = ring_pass([dk_cur, dv_cur], group)
-        grads = dq.to(q.dtype), dk_cur.to(k.dtype), dv_cur.to(v.dtype)
+        kv, carried = (k, v), None  # carried: the dK, dV accumulators in flight
+        steps = _blocks_by_step(rank, size, q.shape[2], ctx.layout, ctx.causal, doc)
+        for step, blocks in enumerate(steps):
+            ahead = RingPass(list(kv), group) if step < size - 1 else None
+            dk = torch.zeros(k.shape, dtype=acc, device=k.device)  # this step's share
+            dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+            for block in blocks:
+                mask = None if block.mask is None else block.mask.to(q.device)
+                i, j = block.q, block.kv
+                dqi, dkj, dvj = block_attention_backward(
+                    q_acc[:, :, i], kv[0][:, :, j].to(acc), kv[1][:, :, j].to(acc), mask,
+                    lse[:, :, i], grad_out[:, :, i], delta[:, :, i],
+                )  # fmt: skip
+                dq[:, :, i] += dqi
+                dk[:, :, j] += dkj
+                dv[:, :, j] += dvj
+            if carried is not None:  # the accumulators of these K, V, from the previous rank
+                dk_in, dv_in = carried.wait()
+                dk, dv = dk + dk_in, dv + dv_in
+            if size > 1:  # on with K, V; after the last step this hop brings them home
+                carried = RingPass([dk, dv], group, tag=2)
+            if ahead is not None:
+                kv = tuple(ahead.wait())
+        if carried is not None:
+            dk, dv = carried.wait()
+        grads = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
         return *grads, None, None, None, None, None
 
 
@@ -445,8 +462,17 @@ def ring_attention(
     on the whole sequence, for this rank's queries. Forward: P-1 ring steps,
     each sending this rank's current K and V chunk to the next rank, so every
     rank sends ``2 (P-1) B H T_local D`` elements (:func:`ring_bytes`).
-    Backward: P-1 steps sending K, V and their gradient accumulators, plus one
-    sending the accumulators home.
+    Backward: P-1 passes of K and V, and P of their gradient accumulators (the
+    last brings them home): :func:`ring_backward_bytes`. Each pass is posted
+    before the current step's blocks are computed and waited for after them,
+    the accumulators' after the blocks that add to them (:class:`RingPass`).
+    Every rank passes P-1 times even where the mask leaves it nothing to compute.
+
+    Each block is computed with ordinary tensor operations, its
+    ``T_local x T_local`` scores in memory at once; production rings call a
+    fused kernel that returns the log-sum-exp with the output (torch's
+    ``context_parallel`` calls ``_scaled_dot_product_flash_attention`` or the
+    efficient or cuDNN kernel).
 
     Precision: K and V travel in the inputs' dtype; each block's softmax, the
     running output and log-sum-exp, and the gradient accumulators are kept in
@@ -476,176 +502,26 @@ def ring_attention(
         ValueError: shapes differ or are not 4-D, zigzag with odd ``T_local``,
             ``document_ids`` of the wrong length.
     """
-    _check_qkv(q, k, v, dist.get_world_size(group), layout, document_ids)
+    check_qkv(q, k, v, dist.get_world_size(group), layout, document_ids)
     acc = accumulate_dtype or accumulator_dtype(q.dtype)
     return RingAttention.apply(q, k, v, group, causal, layout, document_ids, acc)
 
 
-def ring_bytes(shape: tuple[int, ...], element_size: int, world_size: int) -> int:
-    """Bytes one rank sends in ring attention's forward: 2 (P-1) chunks (K and V).
-
-    ``shape`` is the local ``[B, H, T_local, D]``; ``element_size`` in bytes.
-    """
-    return 2 * (world_size - 1) * math.prod(shape) * element_size
-
-
-# --------------------------------------------------------------- all-gather
-
-
-class GatherSequence(torch.autograd.Function):
-    """All-gather along the sequence (dim 2); backward: sum over ranks, keep this rank's slice."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        rank, size = _group_info(group)
-        parts = [torch.empty_like(x) for _ in range(size)]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        ctx.group, ctx.rank, ctx.t_local = group, rank, x.shape[2]
-        return torch.cat(parts, dim=2)
-
-    @staticmethod
-    def backward(ctx, grad):
-        # Every rank's loss used this rank's slice: its gradient is the sum over
-        # ranks of their gradient's slice. One contiguous buffer, reduced in place:
-        # no receive buffer shaped like the incoming gradient (torch's deprecated
-        # differentiable all_gather, on gloo, receives into buffers laid out like
-        # it and gets scrambled gradients when they are permuted, e.g. the
-        # [B, T, H, D] memory order SDPA's backward returns with several heads).
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        start = ctx.rank * ctx.t_local
-        return grad[:, :, start : start + ctx.t_local].contiguous(), None
+# The other methods and the accounting live in two sibling modules; reach them from here too.
+_SIBLINGS = {
+    "context_parallel_ulysses": ("GatherSequence", "HeadsToSeq", "SeqToHeads",
+                                 "allgather_attention", "gather_sequence", "ulysses_attention",
+                                 "ulysses_backward_bytes", "ulysses_bytes"),
+    "context_parallel_cost": ("load_balance", "ring_backward_bytes", "ring_bytes",
+                              "ring_step_work", "ring_work"),
+}  # fmt: skip
 
 
-def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """All ranks' tokens, rank 0's first: ``[B, H, T_local, D]`` -> ``[B, H, P*T_local, D]``.
+def __getattr__(name: str):
+    """Names of the sibling modules (``cp.ulysses_attention``, ``cp.ring_work``), imported late."""
+    for module, names in _SIBLINGS.items():
+        if name in names:
+            import importlib
 
-    Differentiable and exact: the backward all-reduces the (contiguous) incoming
-    gradient and returns this rank's slice. The order of the result is by rank,
-    so global positions are ``cat(sequence_positions(r) for r)``.
-    """
-    return GatherSequence.apply(x, group)
-
-
-def allgather_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    group: dist.ProcessGroup | None = None,
-    causal: bool = True,
-    layout: str = "contiguous",
-    document_ids: torch.Tensor | None = None,
-    gather=gather_sequence,
-) -> torch.Tensor:
-    """Attention of this rank's queries to all keys and values, gathered with one all-gather each.
-
-    Args as :func:`ring_attention`; ``gather(x, group)`` gathers along dim 2
-    (default :func:`gather_sequence`). Memory: every rank holds all keys and values.
-    """
-    rank, size = _group_info(group)
-    _check_qkv(q, k, v, size, layout, document_ids)
-    t_local = q.shape[2]
-    k_all, v_all = gather(k, group), gather(v, group)
-    k_pos = torch.cat([sequence_positions(r, size, t_local, layout) for r in range(size)])
-    q_pos = sequence_positions(rank, size, t_local, layout)
-    doc = None if document_ids is None else document_ids.cpu()
-    mask = attention_mask(q_pos, k_pos, causal, doc)
-    mask = None if mask is None else mask.to(q.device)
-    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
-
-
-# ---------------------------------------------------------------- Ulysses
-
-
-def _seq_to_heads(x, group):
-    # [B, H, T_local, D] -> [B, H/P, P*T_local, D]: head group j goes to rank j.
-    b, h, t, d = x.shape
-    size = dist.get_world_size(group)
-    send = x.reshape(b, size, h // size, t, d).transpose(0, 1).contiguous()
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)  # recv[j]: rank j's tokens, my heads
-    return recv.permute(1, 2, 0, 3, 4).reshape(b, h // size, size * t, d)
-
-
-def _heads_to_seq(y, group):
-    # [B, H/P, P*T_local, D] -> [B, H, T_local, D]: the inverse of _seq_to_heads.
-    b, hp, t_all, d = y.shape
-    size = dist.get_world_size(group)
-    t = t_all // size
-    send = y.reshape(b, hp, size, t, d).permute(2, 0, 1, 3, 4).contiguous()
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)  # recv[j]: my tokens, rank j's heads
-    return recv.transpose(0, 1).reshape(b, size * hp, t, d)
-
-
-class SeqToHeads(torch.autograd.Function):
-    """All-to-all from sequence-sharded to head-sharded; its backward is the inverse all-to-all."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _seq_to_heads(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _heads_to_seq(grad.contiguous(), ctx.group), None
-
-
-class HeadsToSeq(torch.autograd.Function):
-    """All-to-all from head-sharded back to sequence-sharded (inverse of :class:`SeqToHeads`)."""
-
-    @staticmethod
-    def forward(ctx, y, group):
-        ctx.group = group
-        return _heads_to_seq(y, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_to_heads(grad.contiguous(), ctx.group), None
-
-
-def ulysses_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    group: dist.ProcessGroup | None = None,
-    causal: bool = True,
-    layout: str = "contiguous",
-    document_ids: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """DeepSpeed-Ulysses: all-to-all to heads, whole-sequence attention, all-to-all back.
-
-    Jacobs et al. 2023, section 3. Each rank sends ``(P-1)/P`` of its local q,
-    k, v and output: ``4 (P-1)/P B H T_local D`` elements per layer forward
-    (:func:`ulysses_bytes`). Parallelism is bounded by the number of heads.
-
-    Args, returns: as :func:`ring_attention`.
-
-    Raises:
-        ValueError: ``heads`` not divisible by the world size (use a world size
-            that divides the heads, or ring attention), or bad shapes as
-            :func:`ring_attention`.
-    """
-    rank, size = _group_info(group)
-    _check_qkv(q, k, v, size, layout, document_ids)
-    if q.shape[1] % size:
-        raise ValueError(
-            f"Ulysses splits heads over ranks: {q.shape[1]} heads are not divisible by "
-            f"{size} ranks; use a world size dividing the heads, or ring attention"
-        )
-    qh, kh, vh = (SeqToHeads.apply(x, group) for x in (q, k, v))
-    # The gathered sequence is in rank order; the mask follows its global positions.
-    pos = torch.cat([sequence_positions(r, size, q.shape[2], layout) for r in range(size)])
-    doc = None if document_ids is None else document_ids.cpu()
-    mask = attention_mask(pos, pos, causal, doc)
-    mask = None if mask is None else mask.to(q.device)
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)
-    return HeadsToSeq.apply(out, group)
-
-
-def ulysses_bytes(shape: tuple[int, ...], element_size: int, world_size: int) -> int:
-    """Bytes one rank sends in Ulysses' forward: ``4 (P-1)/P`` of the local q, k, v, output.
-
-    ``shape`` is the local ``[B, H, T_local, D]``; ``element_size`` in bytes.
-    """
-    return 4 * (world_size - 1) * math.prod(shape) * element_size // world_size
+            return getattr(importlib.import_module(f"{__package__}.{module}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -83,20 +83,24 @@ def capacity(tokens: int, num_experts: int, k: int, capacity_factor: float) -> i
         tokens: tokens routed together (one group), >= 0.
         num_experts: E, >= 1.
         k: experts per token, 1 <= k <= E.
-        capacity_factor: > 0; 1.0 leaves no slack for imbalance.
+        capacity_factor: > 0; 1.0 leaves no slack for imbalance; ``float("inf")``
+            drops nothing (dropless routing).
 
     Returns:
-        Slots per expert (int).
+        Slots per expert (int). With an infinite factor: ``tokens``, the most an
+        expert can be given, since a token's k choices are k different experts.
 
     Raises:
         ValueError: a size out of range.
     """
     if num_experts < 1 or not 1 <= k <= num_experts:
         raise ValueError(f"need 1 <= k <= num_experts, got k={k}, num_experts={num_experts}")
-    if tokens < 0 or capacity_factor <= 0:
+    if tokens < 0 or not capacity_factor > 0:  # "not >" also refuses NaN
         raise ValueError(
             f"need tokens >= 0 and capacity_factor > 0, got {tokens}, {capacity_factor}"
         )
+    if math.isinf(capacity_factor):
+        return tokens
     return math.ceil(capacity_factor * tokens * k / num_experts)
 
 

@@ -11,10 +11,11 @@ all-gather version each compute this rank's attention; the script compares
 the output and the q, k, v gradients with scaled_dot_product_attention on the
 whole sequence in one process (float64 and float32, causal and with packed
 documents), counts the block products each rank computes (by wrapping
-block_attention) and the bytes each rank sends (by wrapping
-dist.batch_isend_irecv and dist.all_to_all_single), shows two mistakes
-(document boundaries ignored; torch's deprecated differentiable all_gather),
-tries PyTorch's own context_parallel, measures ring attention in bfloat16
+block_attention) and the bytes each rank sends in forward and backward (by
+wrapping dist.batch_isend_irecv and dist.all_to_all_single), shows four
+mistakes (document boundaries ignored; a causal mask per chunk; documents
+numbered per rank; torch's deprecated differentiable all_gather), tries
+PyTorch's own context_parallel, measures ring attention in bfloat16
 with float32 and with bfloat16 accumulators, and measures, in one process, the
 error of the merged attention in bfloat16 as the number of key chunks grows.
 Results go to --results (rank 0).
@@ -78,7 +79,8 @@ def documents(t):
     return torch.tensor(ids[:t])
 
 
-def max_diffs(ctx, args, fn, dtype, layout="contiguous", docs=None, ref_docs="same", **kw):
+def max_diffs(ctx, args, fn, dtype, layout="contiguous", docs=None, ref_docs="same",
+              mistake=contextlib.nullcontext, **kw):  # fmt: skip
     """Largest |ours - one process| of the output and of the q, k, v gradients on this rank."""
     ref_docs = docs if ref_docs == "same" else ref_docs
     q, k, v, grad = whole(args, ctx.world_size, dtype, ctx.device, kw.pop("batch", None),
@@ -92,10 +94,33 @@ def max_diffs(ctx, args, fn, dtype, layout="contiguous", docs=None, ref_docs="sa
 
     # NEW: each rank holds T/P tokens; the ranks exchange keys and values.
     local = [mine(x).clone().requires_grad_() for x in (q, k, v)]
-    out = fn(*local, causal=True, layout=layout, document_ids=docs, **kw)
-    (out * mine(grad)).sum().backward()
+    with mistake():  # around the attention only: the sharding above stays right
+        out = fn(*local, causal=True, layout=layout, document_ids=docs, **kw)
+        (out * mine(grad)).sum().backward()
     pairs = [(out, mine(ref))] + [(a.grad, mine(b.grad)) for a, b in zip(local, ref_in)]
     return dict(zip(["output", "dq", "dk", "dv"], ((a - b).abs().max().item() for a, b in pairs)))
+
+
+@contextlib.contextmanager
+def every_chunk_starts_the_sequence():
+    """The mistake: each rank numbers its tokens from 0, as if its chunk began the sequence,
+    so every block gets a causal triangle of its own."""
+    segments = cp.sequence_segments
+    cp.sequence_segments = lambda rank, p, t, layout="contiguous": segments(0, p, t, layout)
+    try:
+        yield
+    finally:
+        cp.sequence_segments = segments
+
+
+def numbered_per_rank(docs, world_size):
+    """The mistake: each rank numbers the documents it holds from 0 and the ranks' ids are
+    put together: ids repeat across ranks, and a document cut by a rank boundary is split."""
+    ids = []
+    for chunk in docs.chunk(world_size):
+        starts = torch.cat([torch.zeros(1, dtype=torch.long), (chunk[1:] != chunk[:-1]).long()])
+        ids.append(starts.cumsum(0))
+    return torch.cat(ids)
 
 
 @contextlib.contextmanager
@@ -116,13 +141,21 @@ def counting_blocks(log):
 
 
 def counted(ctx, args, fn, layout="contiguous"):
-    """Forward only, float32: bytes sent, blocks computed and visible query-key pairs."""
-    q, k, v, _ = whole(args, ctx.world_size, torch.float32, ctx.device)
-    local = [cp.shard_sequence(x, ctx.rank, ctx.world_size, layout) for x in (q, k, v)]
+    """float32: bytes sent in forward and in backward; blocks and visible pairs in forward."""
+    q, k, v, grad = whole(args, ctx.world_size, torch.float32, ctx.device)
+
+    def mine(x):
+        return cp.shard_sequence(x, ctx.rank, ctx.world_size, layout)
+
+    local = [mine(x).requires_grad_() for x in (q, k, v)]
     log, sends = {"blocks": 0, "visible": 0}, CollectiveLog()
-    with counting_blocks(log), sends.recording():
-        fn(*local, causal=True, layout=layout)
-    return {"bytes": sum(c["sent"] for c in sends.calls), **log}
+    with counting_blocks(log), sends.recording("forward"):
+        out = fn(*local, causal=True, layout=layout)
+    with sends.recording("backward"):
+        (out * mine(grad)).sum().backward()
+    sent = {phase: sum(c["sent"] for c in sends.calls if c["phase"] == phase)
+            for phase in ("forward", "backward")}  # fmt: skip
+    return {"bytes": sent["forward"], "backward_bytes": sent["backward"], **log}
 
 
 def torch_gather(x, group=None):
@@ -133,13 +166,29 @@ def torch_gather(x, group=None):
 
 
 def torch_context_parallel(ctx, args):
-    """PyTorch's context_parallel on this device: its error, or its difference from one process."""
-    from torch.distributed.device_mesh import init_device_mesh
+    """PyTorch's context_parallel on this device: its error, or its difference from one process.
+
+    On a CPU, rank 0 tries it alone, on a mesh of one rank: the refusal comes from the CPU
+    attention kernel, whatever the number of ranks, and the other ranks skip the cost.
+    """
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    alone = ctx.device.type == "cpu"
+    one = dist.new_group([0]) if alone else None  # every rank takes part in new_group
+    if alone and ctx.rank != 0:
+        return None
     from torch.distributed.tensor.experimental import context_parallel
     from torch.distributed.tensor.experimental._attention import context_parallel_unshard
 
-    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
-    q, k, v, _ = whole(args, ctx.world_size, torch.float32, ctx.device)
+    try:  # which way it passes K and V by default (private: may move)
+        from torch.distributed.tensor.experimental._attention import _cp_options
+
+        rotate = _cp_options.rotate_method.name
+    except (ImportError, AttributeError):
+        rotate = None
+    n = 1 if alone else ctx.world_size
+    mesh = DeviceMesh.from_group(one, "cpu") if alone else init_device_mesh(ctx.device.type, (n,))
+    q, k, v, _ = whole(args, n, torch.float32, ctx.device)
     ref = cp.reference_attention(q, k, v, causal=True)
     buffers = [x.clone() for x in (q, k, v)]  # sharded in place, so not leaves of a graph
     sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -148,10 +197,12 @@ def torch_context_parallel(ctx, args):
             out = torch.nn.functional.scaled_dot_product_attention(*buffers, is_causal=True)
         (out,) = context_parallel_unshard(mesh, [out], [2])
     except Exception as e:  # recorded, not hidden: the notebook shows it
-        return {"ran": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
+        return {"ran": False, "ranks": n, "default_rotate_method": rotate,
+                "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}  # fmt: skip
     finally:  # torch 2.11 leaves it wrapped for DTensors after the block
         torch.nn.functional.scaled_dot_product_attention = sdpa
-    return {"ran": True, "max_diff": (out - ref).abs().max().item()}
+    return {"ran": True, "ranks": n, "default_rotate_method": rotate,
+            "max_diff": (out - ref).abs().max().item()}  # fmt: skip
 
 
 def ring_bf16(ctx, args):
@@ -227,7 +278,12 @@ def main():
                 ctx, args, cp.ring_attention, torch.float64, docs=None, ref_docs=docs
             ),  # fmt: skip
             "documents masked": max_diffs(ctx, args, cp.ring_attention, torch.float64, docs=docs),
-        }
+            "causal mask per chunk": max_diffs(ctx, args, cp.ring_attention, torch.float64,
+                                               mistake=every_chunk_starts_the_sequence),
+            "documents numbered per rank": max_diffs(
+                ctx, args, cp.ring_attention, torch.float64, docs=numbered_per_rank(docs, n),
+                ref_docs=docs),
+        }  # fmt: skip
         for b, h in ((2, 3), (1, 3), (2, 1), (1, 1)):
             if torch_all_gather is not None:
                 mistakes[f"torch all_gather, batch {b}, heads {h}"] = max_diffs(
@@ -254,13 +310,16 @@ def main():
             "world_size": n, "device": str(ctx.device), "local_shape": local_shape,
             "diffs": diffs, "mistakes": mistakes, "counts": everyone,
             "formulas": {"ring": cp.ring_bytes(local_shape, 4, n),
-                         "ulysses": cp.ulysses_bytes(local_shape, 4, n)},
+                         "ulysses": cp.ulysses_bytes(local_shape, 4, n),
+                         "ring backward": cp.ring_backward_bytes(local_shape, 4, n),
+                         "ulysses backward": cp.ulysses_backward_bytes(local_shape, 4, n)},
             "torch_context_parallel": theirs, "ulysses_refused": refused,
             "ring_bf16": ring_bf16(ctx, args),
             "bf16_sweep": bf16_sweep(args, ctx.device) if ctx.rank == 0 else None,
         }  # fmt: skip
         worst = max(max(d.values()) for k, d in diffs.items() if "float64" in k)
-        verdict = "ran" if theirs["ran"] else f"refused ({theirs['error'].split(':')[0]})"
+        verdict = ("skipped on this rank" if theirs is None else "ran" if theirs["ran"]
+                   else f"refused ({theirs['error'].split(':')[0]})")  # fmt: skip
         sent = {k: c["bytes"] for k, c in counts.items()}
         log.info(f"{n} ranks: ring, Ulysses, all-gather within {worst:.1e} of one process "
                  f"(float64); bytes sent by rank 0 in forward {sent}; "

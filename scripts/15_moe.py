@@ -44,7 +44,7 @@ def parse_args():
     p.add_argument("--tokens", type=int, default=24, help="tokens per rank in part 1")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
     p.add_argument("--seq-len", type=int, default=32, help="tokens per sequence")
-    p.add_argument("--steps", type=int, default=30, help="training steps in part 2")
+    p.add_argument("--steps", type=int, default=60, help="training steps in part 2")
     p.add_argument("--router-skew", type=float, default=0.3,
                    help="part 2 starts with the router leaning to expert 0")  # fmt: skip
     p.add_argument("--lr", type=float, default=1e-2)
@@ -164,7 +164,7 @@ def train(args, ctx, aux_weight, text):
     replicated = [*emb.parameters(), *head.parameters(), *moe.router.parameters()]
     opt = torch.optim.Adam([*replicated, *moe.experts.parameters()], lr=args.lr)
     gen = torch.Generator().manual_seed(1000 + ctx.rank)  # each rank its own batches
-    cv, losses = [], []
+    cv, losses, per_step, probs = [], [], [], []
     for _ in range(args.steps):
         x, y = (t.to(dev) for t in lm_batch(text, args.batch_size, args.seq_len, gen))
         h = emb(x)
@@ -177,10 +177,13 @@ def train(args, ctx, aux_weight, text):
             dist.all_reduce(q.grad)
         opt.step()
         opt.zero_grad()
-        counts = routing.routed.to(torch.float64)
-        dist.all_reduce(counts)
+        counts = torch.cat([routing.routed.to(torch.float64), routing.probs.detach().mean(0) / n])
+        dist.all_reduce(counts)  # tokens per expert, and mean router probability, all ranks
+        counts, p = counts[: args.experts], counts[args.experts :]
         cv.append((counts.std(unbiased=False) / counts.mean()).item())
         losses.append(loss.item())
+        per_step.append(counts.long().tolist())
+        probs.append(p.tolist())
     with torch.no_grad():  # a held-out batch, the same seed for every weight
         x, _ = lm_batch(text, args.batch_size, args.seq_len, torch.Generator().manual_seed(7))
         _, routing, _ = moe(emb(x.to(dev)))
@@ -192,7 +195,8 @@ def train(args, ctx, aux_weight, text):
             "cv": (routed.std(unbiased=False) / routed.mean()).item(),
             "cv_last_10_steps": sum(cv[-10:]) / len(cv[-10:]),
             "max_over_mean": (routed.max() / routed.mean()).item(),
-            "cv_per_step": cv, "loss_per_step": losses}  # fmt: skip
+            "cv_per_step": cv, "loss_per_step": losses, "routed_per_step": per_step,
+            "mean_prob_per_step": probs}  # fmt: skip
 
 
 def main():

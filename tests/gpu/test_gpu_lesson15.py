@@ -1,7 +1,8 @@
 """Lesson 15 on this machine's GPUs: ``15_context_parallel.py`` and ``15_moe.py`` as plain
 ``python`` (a group of one: nccl on ``cuda:0``), ring attention in bfloat16 on a GPU
 against float64 and against the GPU's own ``scaled_dot_product_attention``, and with 2 or
-4 GPUs the notebook's torchrun jobs of both scripts (nccl, one rank per GPU).
+4 GPUs the notebook's torchrun jobs of both scripts (nccl, one rank per GPU) and ring
+attention's passes overlapped with its blocks against waited for at once (timed).
 
 Skipped, with the reason, on a machine without a GPU (or with too few); ``python -m
 ddp_course gpu-check`` runs this file and keeps the results. Each test takes a few seconds
@@ -41,6 +42,10 @@ def check_context_parallel(r: dict, world_size: int) -> None:
     for counts in r["counts"]:
         assert counts["ring contiguous"]["bytes"] == 2 * (world_size - 1) * elems * 4
         assert counts["ulysses"]["bytes"] == 4 * (world_size - 1) * elems * 4 // world_size
+        # Backward: K, V P-1 times and their accumulators P times; Ulysses as forward.
+        ring_back = (4 * world_size - 2) * elems * 4 if world_size > 1 else 0
+        assert counts["ring contiguous"]["backward_bytes"] == ring_back
+        assert counts["ulysses"]["backward_bytes"] == counts["ulysses"]["bytes"]
     m = r["mistakes"]
     assert max(m["documents masked"].values()) <= 1e-12
     for name, d in m.items():
@@ -49,6 +54,8 @@ def check_context_parallel(r: dict, world_size: int) -> None:
             assert max(d.values()) <= 1e-12, (name, d)
     theirs = r["torch_context_parallel"]
     assert theirs["ran"] and theirs["max_diff"] <= 1e-3, theirs  # float32 on a GPU kernel
+    assert theirs["ranks"] == world_size  # on CUDA every rank takes part
+    assert theirs["default_rotate_method"] in (None, "ALL_GATHER"), theirs
     beyond = {a: max(row["beyond_one_rounding"].values()) for a, row in r["ring_bf16"].items()}
     assert beyond["float32"] <= 1e-5 and beyond["bfloat16"] > 1e-3, beyond
     assert all(row["float32"] < 1e-5 for row in r["bf16_sweep"])
@@ -62,6 +69,8 @@ def check_moe(r: dict, world_size: int) -> None:
     for p in r["per_rank"]:
         assert p["measured_bytes_to_others"][0] == p["routing_bytes_to_others"]
     assert {t["aux_weight"] for t in r["training"]} == {0.0, 0.1}
+    for t in r["training"]:  # part 2's counts came back from nccl all-reduces on ctx.device
+        assert len(t["routed_per_step"]) == len(t["cv_per_step"]) > 0
 
 
 # ---------------------------------------------------------------- one GPU, plain python
@@ -161,3 +170,17 @@ def test_context_parallel_notebook_job_on_four_gpus(root):
     r = run(root, "15_context_parallel.py", NOTEBOOK_CP_ARGS, nproc=4)  # notebook 15's job
     keep("15_context_parallel_4gpus", r)
     check_context_parallel(r, 4)
+
+
+@needs_2_gpus
+def test_ring_attention_overlap_on_gpus(root):
+    # Each pass posted before the step's blocks and waited for after them, against waited
+    # for at once: the same results bit for bit; the time the overlap saves is recorded.
+    args = ["--t-local", "2048", "--heads", "16", "--head-dim", "64", "--dtype", "bfloat16",
+            "--repeats", "5"]  # fmt: skip
+    r = launch.torchrun(root / "tests/workers/ring_overlap_check.py", args, nproc=RANKS,
+                        results=True, echo=False, timeout_s=300).results  # fmt: skip
+    keep("15_ring_overlap", r)
+    assert r["device"].startswith("cuda") and r["backend"] == "nccl", r
+    assert r["equal"], r
+    assert r["overlapped_over_waited"] <= 1.25, r  # posting early costs nothing

@@ -2,8 +2,9 @@
 2023), zig-zag placement, DeepSpeed-Ulysses (Jacobs et al. 2023) and the all-gather version,
 causal and with packed documents, float64 and float32, outputs and q/k/v gradients; ring
 attention in bfloat16 with float32 accumulators within one rounding of float64; bytes sent
-counted by wrapping the send and all-to-all calls; work per rank counted by wrapping the block
-product; four mistakes caught; bad sizes refused with a ValueError.
+counted by wrapping the send and all-to-all calls, forward and backward; each ring pass posted
+before the blocks it overlaps and waited for after them; work per rank counted by wrapping the
+block product; four mistakes caught; bad sizes refused with a ValueError.
 """
 
 import math
@@ -86,6 +87,45 @@ def test_bytes_sent_match_the_formulas(job):
         # The formulas spelled out, in case both sides drift together.
         assert cp.ring_bytes(shape, 4, n) == 2 * (n - 1) * math.prod(shape) * 4
         assert cp.ulysses_bytes(shape, 4, n) * n == 4 * (n - 1) * math.prod(shape) * 4
+
+
+def test_backward_bytes_match_the_formulas(job):
+    n = job["world_size"]
+    shape = (BATCH, HEADS, T_LOCAL, HEAD_DIM)
+    for report in job["ranks"]:
+        c = report["counted"]
+        # K and V pass P-1 times, their accumulators P times (the last hop brings them home).
+        for layout in ("ring contiguous", "ring zigzag"):
+            assert c[layout]["backward_bytes"] == {
+                "p2p": cp.ring_backward_bytes(shape, 4, n), "all_to_all": 0}  # fmt: skip
+        assert cp.ring_backward_bytes(shape, 4, n) == (4 * n - 2) * math.prod(shape) * 4
+        # bfloat16 inputs: K, V travel in 2 bytes, the float32 accumulators in 4.
+        assert c["ring bfloat16"]["bytes"]["p2p"] == cp.ring_bytes(shape, 2, n)
+        assert c["ring bfloat16"]["backward_bytes"]["p2p"] == cp.ring_backward_bytes(shape, 2, n, 4)
+        # Ulysses: the four all-to-alls again, reversed.
+        assert c["ulysses"]["backward_bytes"] == {
+            "p2p": 0, "all_to_all": cp.ulysses_backward_bytes(shape, 4, n)}  # fmt: skip
+        assert cp.ulysses_backward_bytes(shape, 4, n) == cp.ulysses_bytes(shape, 4, n)
+
+
+def test_each_pass_is_posted_before_the_blocks_and_waited_for_after(job):
+    # Forward: the next K, V are posted, this step's blocks computed, then waited for.
+    # Backward: the same for K, V; the accumulators that came with them are waited for
+    # after this step's blocks (which add to them) and sent on at once.
+    n = job["world_size"]
+    for rank, report in enumerate(job["ranks"]):
+        blocks = [0] * n
+        for b in cp.ring_schedule(rank, n, T_LOCAL):
+            blocks[b.step] += 1
+        forward, backward = [], []
+        for step, count in enumerate(blocks):
+            last = step == n - 1
+            forward += ([] if last else ["post kv"]) + ["block"] * count
+            forward += [] if last else ["wait kv"]
+            backward += ([] if last else ["post kv"]) + ["block backward"] * count
+            backward += ([] if step == 0 else ["wait dkv"]) + ["post dkv"]
+            backward += [] if last else ["wait kv"]
+        assert report["overlap_events"] == forward + backward + ["wait dkv"], rank
 
 
 def test_zigzag_balances_the_causal_work(job):

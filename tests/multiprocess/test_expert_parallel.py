@@ -1,6 +1,7 @@
 """Expert-parallel MoE (GShard, Switch Transformer) against one process in float64, on 2 and 4
 gloo ranks; all-to-alls counted by wrapping dist.all_to_all_single and by CommDebugMode, bytes
-against the routing; two mistakes caught; PyTorch's all_to_all_single_autograd equal to ours.
+against the routing; two mistakes caught; PyTorch's all_to_all_single_autograd equal to ours;
+dropless routing (capacity_factor=inf) equal to one process with or without capacity groups.
 """
 
 import pathlib
@@ -115,3 +116,13 @@ def test_pytorch_all_to_all_single_autograd_equals_ours(job):
             "forward": {"c10d.alltoall_base_": 1, "c10d_functional.all_to_all_single": 2},
             "backward": {"c10d_functional.all_to_all_single": 2},
         }
+
+
+def test_dropless_expert_parallel_equals_one_process_whatever_the_groups(job):
+    # capacity_factor=inf: every assignment kept, so capacity groups no longer matter and
+    # the expert-parallel layer equals the one-process layer over the whole batch too.
+    for report in job["variants"]["dropless"]:
+        assert failed(report) == {}
+        assert report["dropped"] == 0 and report["kept"] == report["routed"]
+        assert report["capacity"] == TOKENS
+        assert not report["global_capacity_differs"]

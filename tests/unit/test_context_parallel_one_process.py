@@ -88,3 +88,66 @@ def test_ring_schedule_work_contiguous_vs_zigzag():
 def test_byte_formulas():
     assert cp.ring_bytes((1, 2, 3, 4), 4, 4) == 2 * 3 * 24 * 4
     assert cp.ulysses_bytes((1, 2, 3, 4), 4, 4) == 4 * 3 * 24 * 4 // 4
+
+
+def test_step_work_and_load_balance():
+    # Contiguous, causal, P = 4, T/P = 16: rank r computes a triangle at step 0 and full
+    # blocks at steps 1..r, nothing after.
+    p, t = 4, 16
+    tri = t * (t + 1) // 2
+    grid = cp.ring_step_work(p, t)
+    assert grid == [[tri] + [t * t] * r + [0] * (p - 1 - r) for r in range(p)]
+    assert [sum(row) for row in grid] == [w["visible"] for w in cp.ring_work(p, t)]
+    lb = cp.load_balance(grid)
+    mean = (p * t) * (p * t + 1) / 2 / p  # the whole causal triangle, shared out
+    assert lb["busiest_over_mean"] == pytest.approx(((p - 1) * t * t + tri) / mean)
+    assert lb["busiest_over_mean"] < (2 * p - 1) / p < lb["busiest_over_idlest"]
+    # Every step has a rank with a full block: the lockstep bound is the busiest rank.
+    assert lb["lockstep_over_mean"] == pytest.approx(lb["busiest_over_mean"])
+    zig = cp.load_balance(cp.ring_step_work(p, t, "zigzag"))
+    assert zig == {"busiest_over_idlest": 1.0, "busiest_over_mean": 1.0,
+                   "lockstep_over_mean": 1.0}  # fmt: skip
+    docs = torch.arange(p * t) // 8  # documents inside chunks: ranks idle after step 0
+    assert cp.load_balance(cp.ring_step_work(p, t, document_ids=docs))["busiest_over_mean"] == 1
+
+
+def test_backward_byte_formula():
+    # K, V: P-1 passes of 2 bytes (bfloat16); dK, dV: P passes of 4 (float32 accumulators).
+    assert cp.ring_backward_bytes((1, 2, 3, 4), 2, 4, 4) == 2 * 3 * 24 * 2 + 2 * 4 * 24 * 4
+    assert cp.ring_backward_bytes((1, 2, 3, 4), 4, 4) == (4 * 4 - 2) * 24 * 4
+    assert cp.ring_backward_bytes((1, 2, 3, 4), 4, 1) == 0  # one rank: no pass
+    assert cp.ulysses_backward_bytes((1, 2, 3, 4), 4, 4) == cp.ulysses_bytes((1, 2, 3, 4), 4, 4)
+
+
+def test_names_of_the_sibling_modules_are_reachable_from_context_parallel():
+    from ddp_course import context_parallel_cost, context_parallel_ulysses
+
+    assert cp.ulysses_attention is context_parallel_ulysses.ulysses_attention
+    assert cp.GatherSequence is context_parallel_ulysses.GatherSequence
+    assert cp.ring_work is context_parallel_cost.ring_work
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        cp.nothing  # noqa: B018
+
+
+def test_gloo_scatter_fills_a_non_contiguous_buffer_in_memory_order(group):
+    # Why torch's deprecated differentiable all_gather gets K, V gradients wrong on gloo:
+    # its backward scatters contiguous copies into buffers made by torch.empty_like(grad),
+    # which keep the gradient's strides, and gloo writes the bytes in memory order
+    # (pytorch/pytorch#24836, #192920). SDPA's backward returns dK, dV laid out as
+    # [B, T, H, D] in memory: with one head that is the logical order, with several not.
+    import torch.distributed as dist
+
+    sent = torch.arange(24.0).reshape(1, 2, 3, 4)  # [B, H, T, D], contiguous
+    laid_out = torch.empty(1, 3, 2, 4).transpose(1, 2)  # [B, H, T, D] over [B, T, H, D]
+    dist.scatter(laid_out, [sent], src=0)
+    assert not torch.equal(laid_out, sent)
+    assert torch.equal(laid_out.transpose(1, 2).flatten(), sent.flatten())  # memory order
+    one_head = torch.empty(1, 3, 1, 4).transpose(1, 2)
+    dist.scatter(one_head, [sent[:, :1]], src=0)
+    assert torch.equal(one_head, sent[:, :1])  # one head: both orders agree
+    q, k, v = (torch.randn(2, 3, 4, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    seen = []
+    k_used = k * 1
+    k_used.register_hook(seen.append)  # the gradient as the gather's backward gets it
+    F.scaled_dot_product_attention(q, k_used, v, attn_mask=torch.ones(4, 4).bool()).sum().backward()
+    assert not seen[0].is_contiguous() and seen[0].transpose(1, 2).is_contiguous()

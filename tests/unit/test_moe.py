@@ -103,6 +103,38 @@ def test_moe_equals_the_loop_token_by_token(k, factor, groups):
         assert sum(r.dropped for r in routings) > 0
 
 
+def dropless_by_hand(layer, x):
+    """Every token through each of its k experts, weighted by its gates: no capacity at all."""
+    probs = torch.softmax(layer.router(x), -1)
+    top = probs.topk(layer.k, -1)
+    gates = top.values / top.values.sum(-1, keepdim=True) if layer.k > 1 else top.values
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(layer.k):
+            out[t] += gates[t, j] * layer.experts[int(top.indices[t, j])](x[t])
+    return out
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_an_infinite_capacity_factor_drops_nothing(k):
+    assert ep.capacity(12, 4, k, float("inf")) == 12  # at most one slot per token per expert
+    assert ep.capacity(0, 4, k, float("inf")) == 0
+    with pytest.raises(ValueError, match="capacity_factor > 0"):
+        ep.capacity(8, 4, 1, float("nan"))
+    layer = moe(k, float("inf"))
+    x = torch.randn(12, D, dtype=torch.float64, generator=torch.Generator().manual_seed(2)) + 2
+    with torch.no_grad():  # the worst case: every token's first choice is expert 0
+        layer.router.weight[0] += 5.0
+    for groups in (1, 3):
+        y, routings = layer(x, groups=groups)
+        assert all(r.dropped == 0 and torch.equal(r.kept, r.routed) for r in routings)
+        torch.testing.assert_close(y, dropless_by_hand(layer, x), rtol=1e-12, atol=1e-12)
+    (r,) = layer(x)[1]
+    assert r.routed[0] == 12 and r.capacity == 12  # everyone on expert 0, all kept
+    # A finite factor, however large the imbalance it allows, drops here; infinity does not.
+    assert moe(k, 1.0)(x)[1][0].dropped > 0
+
+
 def test_a_token_with_every_choice_dropped_gets_zero():
     layer = moe(k=1, capacity_factor=0.25)  # capacity 1 for 4 tokens and 4 experts
     with torch.no_grad():

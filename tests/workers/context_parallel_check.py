@@ -7,9 +7,11 @@ outputs and q/k/v gradients, float64 and float32, causal and with packed
 documents. Nothing asserts in between (every rank must run the same collectives
 even when a check fails): each check records None or what differed. It counts
 the block products each rank computes (by wrapping ``block_attention``) and the
-bytes each rank sends (by wrapping ``dist.batch_isend_irecv`` and
-``dist.all_to_all_single``). Then it runs the mistakes the checks must catch:
-merging without the log-sum-exp correction, the causal mask applied per chunk,
+bytes each rank sends in forward and backward (by wrapping
+``dist.batch_isend_irecv`` and ``dist.all_to_all_single``), and logs the order
+in which ring attention posts its passes, computes its blocks and waits. Then
+it runs the mistakes the checks must catch: merging without the log-sum-exp
+correction, the causal mask applied per chunk,
 document boundaries ignored, and torch's deprecated differentiable all_gather.
 Last, ring attention in bfloat16 with float32 (default) and bfloat16 accumulators,
 against float64 on the same values: how far each goes past one bfloat16 rounding.
@@ -125,10 +127,11 @@ def broken(variant):
         yield
 
 
-def counted_forward(ctx, fn, layout="contiguous"):
-    """Bytes sent and block products computed by fn's forward on this rank (float32)."""
-    q, k, v, _ = whole(ctx.world_size, torch.float32)
-    local = [cp.shard_sequence(x, ctx.rank, ctx.world_size, layout) for x in (q, k, v)]
+def counted_forward(ctx, fn, layout="contiguous", dtype=torch.float32):
+    """Bytes sent (forward, backward) and block products computed by fn's forward on this rank."""
+    q, k, v, grad = whole(ctx.world_size, dtype)
+    local = [cp.shard_sequence(x, ctx.rank, ctx.world_size, layout).requires_grad_()
+             for x in (q, k, v)]  # fmt: skip
     sends, work = CollectiveLog(), {"blocks": 0, "pairs": 0, "visible": 0}
     original = cp.block_attention
 
@@ -138,10 +141,51 @@ def counted_forward(ctx, fn, layout="contiguous"):
         work["visible"] += q.shape[2] * k.shape[2] if mask is None else int(mask.sum())
         return original(q, k, v, mask)
 
-    with sends.recording(), patched(cp, "block_attention", block):
-        fn(*local, causal=True, layout=layout)
-    log = {op: sum(c["sent"] for c in sends.calls if c["op"] == op) for op in ("p2p", "all_to_all")}
-    return {"bytes": log, "work": work, "local_shape": list(local[0].shape)}
+    with sends.recording("forward"), patched(cp, "block_attention", block):
+        out = fn(*local, causal=True, layout=layout)
+    with sends.recording("backward"):
+        (out * cp.shard_sequence(grad, ctx.rank, ctx.world_size, layout)).sum().backward()
+
+    def sent(phase):
+        return {op: sum(c["sent"] for c in sends.calls if c["op"] == op and c["phase"] == phase)
+                for op in ("p2p", "all_to_all")}  # fmt: skip
+
+    return {"bytes": sent("forward"), "backward_bytes": sent("backward"), "work": work,
+            "local_shape": list(local[0].shape)}  # fmt: skip
+
+
+def overlap_events(ctx):
+    """The order in which ring attention posts passes, computes blocks and waits (float64)."""
+    events, names = [], {0: "kv", 2: "dkv"}
+
+    class LoggedPass(cp.RingPass):
+        def __init__(self, tensors, group=None, tag=0):
+            events.append(f"post {names[tag]}")
+            super().__init__(tensors, group, tag)
+            self.tag = tag
+
+        def wait(self):
+            received = super().wait()
+            events.append(f"wait {names[self.tag]}")
+            return received
+
+    forward, backward = cp.block_attention, cp.block_attention_backward
+
+    def block(*a):
+        events.append("block")
+        return forward(*a)
+
+    def block_backward(*a):
+        events.append("block backward")
+        return backward(*a)
+
+    q, k, v, grad = whole(ctx.world_size, torch.float64)
+    local = [cp.shard_sequence(x, ctx.rank, ctx.world_size).requires_grad_() for x in (q, k, v)]
+    with (patched(cp, "RingPass", LoggedPass), patched(cp, "block_attention", block),
+          patched(cp, "block_attention_backward", block_backward)):  # fmt: skip
+        out = cp.ring_attention(*local, causal=True)
+        (out * cp.shard_sequence(grad, ctx.rank, ctx.world_size)).sum().backward()
+    return events
 
 
 def torch_gather(x, group=None):
@@ -209,8 +253,10 @@ def check(ctx):
     out["counted"] = {
         "ring contiguous": counted_forward(ctx, cp.ring_attention),
         "ring zigzag": counted_forward(ctx, cp.ring_attention, "zigzag"),
+        "ring bfloat16": counted_forward(ctx, cp.ring_attention, dtype=torch.bfloat16),
         "ulysses": counted_forward(ctx, cp.ulysses_attention),
     }
+    out["overlap_events"] = overlap_events(ctx)
     out["schedule_work"] = {
         layout: cp.ring_work(ctx.world_size, args.t_local, layout)[ctx.rank]
         for layout in ("contiguous", "zigzag")

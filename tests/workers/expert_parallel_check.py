@@ -51,9 +51,10 @@ def mismatch(actual, expected):
     return None
 
 
-def whole_moe():
+def whole_moe(capacity_factor=None):
     torch.manual_seed(0)
-    return ep.MoE(args.d_model, args.hidden, args.experts, args.k, args.capacity_factor).double()
+    factor = args.capacity_factor if capacity_factor is None else capacity_factor
+    return ep.MoE(args.d_model, args.hidden, args.experts, args.k, factor).double()
 
 
 def global_batch(world_size):
@@ -101,7 +102,8 @@ def dropped_by_hand(experts, keep_capacity):
 
 def check(ctx, variant):
     n, r = ctx.world_size, ctx.rank
-    ref = whole_moe()
+    factor = float("inf") if variant == "dropless" else None  # capacity_factor=inf: no drops
+    ref = whole_moe(factor)
     x, w = global_batch(n)
     mine = slice(r * args.tokens, (r + 1) * args.tokens)
 
@@ -109,10 +111,10 @@ def check(ctx, variant):
     y_ref, routings = ref(x_ref, groups=n)
     aux_ref = torch.stack([g.aux_loss for g in routings]).mean()
     ((y_ref * w).sum() + args.aux_weight * aux_ref).backward()
-    y_global, _ = whole_moe()(x, groups=1)  # capacity over the whole batch instead
+    y_global, _ = whole_moe(factor)(x, groups=1)  # capacity over the whole batch instead
 
     exchange = torch_exchange if variant == "torch" else broken_exchange(variant)
-    layer = ep.ExpertParallelMoE(whole_moe(), r, n, exchange=exchange)
+    layer = ep.ExpertParallelMoE(whole_moe(factor), r, n, exchange=exchange)
     log = CollectiveLog()
     x_par = x[mine].clone().requires_grad_()
     with CommDebugMode() as fwd, log.recording("forward"):
@@ -169,7 +171,8 @@ def check(ctx, variant):
 
 with distributed(device="cpu") as ctx:
     out = {"world_size": ctx.world_size, "variants": {}}
-    for variant in ("as_written", "rows_out_of_order", "return_without_autograd", "torch"):
+    for variant in ("as_written", "rows_out_of_order", "return_without_autograd", "torch",
+                    "dropless"):  # fmt: skip
         report = check(ctx, variant)
         gathered = [None] * ctx.world_size
         dist.all_gather_object(gathered, report)
