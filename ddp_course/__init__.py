@@ -11,9 +11,12 @@ bucketed, overlapped with backward), ``pipeline`` (schedules, their simulation a
 their execution), ``tensor_parallel`` (Megatron-LM's column- and row-parallel MLP and attention),
 ``sequence_parallel`` (sequence parallelism and tensor-parallel Transformer
 blocks), ``mesh_layouts`` (TinyGPT's layouts on a device mesh with PyTorch's own
-parallelisms), ``sharding`` (ZeRO stages 1-3 and their memory and traffic),
-``activation_memory`` and ``activation_checkpoint`` (what a step saves for
-backward, and recomputing it), ``context_parallel`` (ring attention and Ulysses),
+parallelisms) and ``mesh_collectives`` (the collectives each layout runs),
+``sharding`` (ZeRO stages 1-3 and their memory and traffic),
+``activation_memory``, ``activation_checkpoint``, ``recompute_policies`` and
+``step_budget`` (what a step saves for backward, recomputing it, and a step's budget),
+``context_parallel`` with ``context_parallel_ulysses`` and ``context_parallel_cost``
+(ring attention, Ulysses, and their work and bytes per rank),
 ``expert_parallel`` (a mixture of experts over ranks), ``checkpoint``,
 ``training`` (train and exact evaluation loops), ``data`` and ``models``.
 
