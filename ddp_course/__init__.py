@@ -10,7 +10,8 @@ from scratch), ``ddp`` (DistributedDataParallel from scratch: per-parameter and
 bucketed, overlapped with backward), ``pipeline`` (schedules, their simulation and
 their execution), ``tensor_parallel`` (Megatron-LM's column- and row-parallel MLP and attention),
 ``sequence_parallel`` (sequence parallelism and tensor-parallel Transformer
-blocks), ``mesh_layouts`` (TinyGPT's layouts on a device mesh with PyTorch's own
+blocks), ``parallel_rng`` (dropout random numbers per region and rank),
+``mesh_layouts`` (TinyGPT's layouts on a device mesh with PyTorch's own
 parallelisms) and ``mesh_collectives`` (the collectives each layout runs),
 ``sharding`` (ZeRO stages 1-3 and their memory and traffic),
 ``activation_memory``, ``activation_checkpoint``, ``recompute_policies`` and

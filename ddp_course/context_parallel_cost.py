@@ -37,12 +37,18 @@ def ring_work(
         blocks = list(ring_schedule(rank, world_size, t_local, layout, causal, document_ids))
         work.append({
             "blocks": len(blocks),
-            "pairs": sum((b.q.stop - b.q.start) * (b.kv.stop - b.kv.start) for b in blocks),
-            "visible": sum(
-                (b.q.stop - b.q.start) * (b.kv.stop - b.kv.start) if b.mask is None
-                else int(b.mask.sum()) for b in blocks),
+            "pairs": sum(_pairs(b) for b in blocks),
+            "visible": sum(_visible(b) for b in blocks),
         })  # fmt: skip
     return work
+
+
+def _pairs(block) -> int:
+    return (block.q.stop - block.q.start) * (block.kv.stop - block.kv.start)
+
+
+def _visible(block) -> int:
+    return _pairs(block) if block.mask is None else int(block.mask.sum())
 
 
 def ring_step_work(
@@ -56,8 +62,7 @@ def ring_step_work(
     grid = [[0] * world_size for _ in range(world_size)]
     for rank in range(world_size):
         for b in ring_schedule(rank, world_size, t_local, layout, causal, document_ids):
-            n = (b.q.stop - b.q.start) * (b.kv.stop - b.kv.start)
-            grid[rank][b.step] += n if b.mask is None else int(b.mask.sum())
+            grid[rank][b.step] += _visible(b)
     return grid
 
 

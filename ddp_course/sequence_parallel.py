@@ -55,14 +55,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional
 
+from .parallel_rng import ParallelRNG, dropout_masks, region_seed
 from .tensor_parallel import (
     ColumnParallelLinear,
     ParallelAttention,
     ParallelFeedForward,
-    ParallelRNG,
     RowParallelLinear,
     gather_shards,
-    region_seed,
 )
 
 __all__ = [
@@ -594,39 +593,3 @@ def saved_block_bytes_formula(
     if sequence_parallel and t > 1:
         return (replicated + split) // t + seq * seq
     return replicated + split // t + seq * seq
-
-
-@contextlib.contextmanager
-def dropout_masks() -> Iterator[list[torch.Tensor]]:
-    """Record where every dropout call drops, in call order.
-
-    Wraps ``torch.nn.functional.dropout`` (which ``nn.Dropout`` and
-    :class:`ParallelAttention` call; not the dropout inside
-    ``scaled_dot_product_attention``). Each call with ``p > 0`` in training
-    appends a bool tensor of the input's shape, True where an element is
-    dropped: the call is made once on a tensor of ones, the generator's state
-    put back, and once on the input, so the recorded mask is the one the
-    input gets (even where the input is already zero) and the random stream
-    is the same as without recording.
-    """
-    masks: list[torch.Tensor] = []
-    original = functional.dropout
-
-    def recording(input, p=0.5, training=True, inplace=False):
-        if not training or p <= 0:
-            return original(input, p, training, inplace)
-        if input.device.type == "cuda":
-            state = torch.cuda.get_rng_state(input.device)
-            masks.append(original(torch.ones_like(input), p, True) == 0)
-            torch.cuda.set_rng_state(state, input.device)
-        else:
-            state = torch.get_rng_state()
-            masks.append(original(torch.ones_like(input), p, True) == 0)
-            torch.set_rng_state(state)
-        return original(input, p, training, inplace)
-
-    functional.dropout = recording
-    try:
-        yield masks
-    finally:
-        functional.dropout = original
