@@ -19,8 +19,7 @@ restore them for the recomputation, as ``torch.utils.checkpoint`` does with
   rebuild them all (``use_reentrant=False``, what PyTorch recommends).
 
 Where to apply them (the policies, and op-level selective checkpointing) is
-:mod:`ddp_course.recompute_policies`; its names also answer here
-(``activation_checkpoint.apply_policy`` and so on), where they were first defined.
+:mod:`ddp_course.recompute_policies`.
 """
 
 from __future__ import annotations
@@ -37,22 +36,6 @@ __all__ = [
     "checkpoint",
     "checkpoint_with_hooks",
 ]
-
-#: Where to checkpoint lives in :mod:`ddp_course.recompute_policies`; these names, first
-#: defined here, still answer here (see :func:`__getattr__`).
-_POLICY_NAMES = ("CheckpointWrapper", "CheckpointedCore", "IMPLS", "MATMULS", "OpCounter",
-                 "POLICIES", "SelectiveRecord", "apply_policy", "matmul_policy",
-                 "selective_checkpoint")  # fmt: skip
-
-
-def __getattr__(name: str):
-    """``activation_checkpoint.apply_policy`` and the rest of the policies, which moved to
-    :mod:`ddp_course.recompute_policies` (imported on first use: it imports this module)."""
-    if name in _POLICY_NAMES:
-        from ddp_course import recompute_policies
-
-        return getattr(recompute_policies, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _autocast_states(devices: set[str]) -> list[tuple[str, torch.dtype, bool]]:

@@ -8,8 +8,7 @@ predicts them per Transformer block term by term (:func:`block_terms`, adapted
 from Korthikanti et al. 2022, section 4) and for a whole model under each
 checkpointing policy (:func:`predict_activations`). The whole step (state,
 activations, the budget and the micro-batch that fits it) is
-:mod:`ddp_course.step_budget`; its names are also reachable here
-(``activation_memory.predict_step`` and so on), where they were first defined.
+:mod:`ddp_course.step_budget`.
 
 The model is :class:`ddp_course.models.TinyGPT`; its configuration is a dict
 of TinyGPT's keyword arguments (``vocab_size``, ``d_model``, ``n_heads``,
@@ -38,20 +37,6 @@ __all__ = [
     "parameter_count",
     "predict_activations",
 ]
-
-#: Defined in :mod:`ddp_course.step_budget`, reachable here too (see :func:`__getattr__`).
-_STEP_BUDGET = ("ALLOCATOR_BLOCK", "PeakBound", "StepBudget", "fit_micro_batch", "peak_bound",
-                "predict_step", "profiled_peak_bytes", "state_bytes")  # fmt: skip
-
-
-def __getattr__(name: str):
-    """``activation_memory.predict_step`` and the rest of the step's budget, which moved to
-    :mod:`ddp_course.step_budget` (imported on first use: it imports this module)."""
-    if name in _STEP_BUDGET:
-        from ddp_course import step_budget
-
-        return getattr(step_budget, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class SavedTensorCounter:
@@ -357,7 +342,7 @@ def predict_activations(
     mask_bytes: int | None = None, stats_bytes: int | None = None,
 ) -> dict[str, int]:  # fmt: skip
     """Activation bytes of TinyGPT(**cfg) under a checkpointing policy (see
-    :func:`ddp_course.activation_checkpoint.apply_policy`), with the course's
+    :func:`ddp_course.recompute_policies.apply_policy`), with the course's
     reentrant checkpoint (``impl="ours"``), whose saved inputs the hooks see.
 
     Checkpointing a region keeps its input (a block's input ``e s b h``;

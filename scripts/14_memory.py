@@ -13,12 +13,12 @@ the matmul FLOPs of forward and backward (recomputation shows as extra FLOPs)
 and times the step (median, min and max of --steps; printed, never asserted;
 torchrun sets OMP_NUM_THREADS=1, so a rank computes on one thread where a plain
 process uses every core). The policies are those of
-ddp_course.activation_checkpoint.apply_policy: whole regions, op-level SAC
+ddp_course.recompute_policies.apply_policy: whole regions, op-level SAC
 (torchtitan's "op" mode), Korthikanti et al.'s selective recomputation of the
 attention core, and every Linear on its own (the anti-pattern: no byte saved).
 On a GPU it also reads the CUDA allocator's peak for each policy and checks it
 lies within the bound that
-ddp_course.activation_memory.peak_bound predicts (at least the activations and
+ddp_course.step_budget.peak_bound predicts (at least the activations and
 the logits; at most everything the step may hold at once, with the allocator's
 512-byte rounding); on a CPU that part is skipped and says so. With 2 or more
 ranks it shards the model with FSDP2 under MixedPrecisionPolicy(
@@ -40,8 +40,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.flop_counter import FlopCounterMode
 
-from ddp_course import activation_checkpoint as ac
 from ddp_course import activation_memory as am
+from ddp_course import recompute_policies, step_budget
 from ddp_course.comm_cost import CollectiveLog
 from ddp_course.data import lm_batch, shakespeare_bytes
 from ddp_course.models import TinyGPT, lm_loss
@@ -57,7 +57,8 @@ def parse_args():
     p.add_argument("--seq-len", type=int, default=32, help="tokens per sequence")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
     p.add_argument("--dropout", type=float, default=0.1, help="dropout probability")
-    p.add_argument("--policy", nargs="+", choices=am.POLICIES, default=list(am.POLICIES),
+    policies = recompute_policies.POLICIES
+    p.add_argument("--policy", nargs="+", choices=policies, default=list(policies),
                    help="checkpointing policies to measure")  # fmt: skip
     p.add_argument("--steps", type=int, default=3, help="timed steps per policy (median)")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights and dropout")
@@ -87,7 +88,7 @@ def sync(dev):
 def measure_policy(args, policy, dev, x, y, reference):
     torch.manual_seed(args.seed)
     model = TinyGPT(**config(args)).to(dev)
-    record = ac.apply_policy(model, policy)  # NEW: the policy wraps blocks in place
+    record = recompute_policies.apply_policy(model, policy)  # NEW: the policy wraps blocks in place
     with FlopCounterMode(display=False) as flops:
         saved, _ = step(model, x, y, args.seed)
     storages = sum(1 for *_, kind in saved.saved if kind == "activation")
@@ -121,13 +122,14 @@ def measure_policy(args, policy, dev, x, y, reference):
         peak = torch.cuda.max_memory_allocated(dev) - base
         b, s, h, a = args.batch_size, args.seq_len, args.d_model, args.n_heads
         logits = 4 * b * s * model.head.out_features
-        gradients = am.state_bytes(model)["gradients"]
+        gradients = step_budget.state_bytes(model)["gradients"]
         # At most: saved storages, gradients, a kept input per checkpointed region, 8 more.
         tensors = storages + len(grads) + 2 * args.n_layers + 8
-        bound = am.peak_bound(activations=predicted["held"], recompute=predicted["recompute"],
-                              gradients=gradients, logits=logits,
-                              largest=4 * max(4 * s * b * h, a * s * s * b),
-                              tensors=tensors)  # fmt: skip
+        bound = step_budget.peak_bound(
+            activations=predicted["held"], recompute=predicted["recompute"],
+            gradients=gradients, logits=logits,
+            largest=4 * max(4 * s * b * h, a * s * s * b), tensors=tensors,
+        )  # fmt: skip
         row["cuda_peak_bytes"] = peak
         row["cuda_predicted_bytes"] = (
             predicted["held"] + predicted["recompute"] + logits + gradients

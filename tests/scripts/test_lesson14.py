@@ -7,7 +7,7 @@ formula at 3 ranks (where torch.chunk splits the rows unevenly and the all-gathe
 them). The notebook runs the script under torchrun;
 tests/unit/test_activation_*.py check the pieces."""
 
-from ddp_course import activation_memory as am
+from ddp_course import recompute_policies
 from ddp_course.harness import launch
 
 
@@ -20,7 +20,7 @@ def test_memory_script_on_three_ranks(root):
                         echo=False, timeout_s=240).results  # fmt: skip
     assert r["world_size"] == 3
     rows = {row["policy"]: row for row in r["rows"]}
-    assert list(rows) == list(am.POLICIES)
+    assert list(rows) == list(recompute_policies.POLICIES)
     for row in rows.values():
         assert row["measured_bytes"] == row["predicted_bytes"], row
         assert row["grads_equal_none"], row

@@ -11,6 +11,7 @@ import torch
 
 from ddp_course import activation_checkpoint as ac
 from ddp_course import activation_memory as am
+from ddp_course import recompute_policies
 from ddp_course.models import Block, TinyGPT, lm_loss
 
 
@@ -103,18 +104,18 @@ CFG = {"d_model": 32, "n_heads": 4, "n_layers": 3, "seq_len": 16, "dropout": 0.1
 def model_step(policy, impl="ours"):
     torch.manual_seed(0)
     model = TinyGPT(**CFG)
-    record = ac.apply_policy(model, policy, impl)
+    record = recompute_policies.apply_policy(model, policy, impl)
     g = torch.Generator().manual_seed(1)
     x, y = (torch.randint(0, 256, (2, 16), generator=g) for _ in range(2))
     torch.manual_seed(3)
     loss = lm_loss(model(x), y)
-    with ac.OpCounter() as ops:
+    with recompute_policies.OpCounter() as ops:
         loss.backward()
     return [p.grad for p in model.parameters()], ops.counts, record
 
 
-@pytest.mark.parametrize("policy", am.POLICIES[1:])
-@pytest.mark.parametrize("impl", ac.IMPLS)
+@pytest.mark.parametrize("policy", recompute_policies.POLICIES[1:])
+@pytest.mark.parametrize("impl", recompute_policies.IMPLS)
 def test_every_policy_gives_the_gradients_of_none(policy, impl):
     plain, _, _ = model_step("none")
     grads, _, _ = model_step(policy, impl)
@@ -164,19 +165,19 @@ def test_bad_input_raises_clearly():
     with pytest.raises(ValueError, match="requires a gradient"):
         ac.checkpoint(block, torch.randn(1, 4, 32))
     with pytest.raises(ValueError, match="policy must be"):
-        ac.apply_policy(TinyGPT(), "half")
+        recompute_policies.apply_policy(TinyGPT(), "half")
     model = TinyGPT()
-    ac.apply_policy(model, "every_block")
+    recompute_policies.apply_policy(model, "every_block")
     with pytest.raises(ValueError, match="already wrapped"):
-        ac.apply_policy(model, "every_block")
+        recompute_policies.apply_policy(model, "every_block")
     with pytest.raises(ValueError, match="impl must be"):
-        ac.CheckpointWrapper(block, "mine")
+        recompute_policies.CheckpointWrapper(block, "mine")
     with pytest.raises(ValueError, match="impl must be"):
-        ac.apply_policy(TinyGPT(), "every_block", impl="mine")
+        recompute_policies.apply_policy(TinyGPT(), "every_block", impl="mine")
     core = TinyGPT()
-    ac.apply_policy(core, "core_attention")
+    recompute_policies.apply_policy(core, "core_attention")
     with pytest.raises(ValueError, match="already wrapped"):
-        ac.apply_policy(core, "every_block")
+        recompute_policies.apply_policy(core, "every_block")
 
 
 _A, _B = torch.randn(3, 4, 5), torch.randn(3, 5, 6)
@@ -197,8 +198,8 @@ def test_the_policy_counts_the_bytes_each_saved_operation_returns(op, args, when
     ctx = type("Ctx", (), {"is_recompute": False})()
     if when == "after the operation":
         ctx.op_output = out
-    record = ac.SelectiveRecord()
-    policy = ac.matmul_policy(record, save=(op,))
+    record = recompute_policies.SelectiveRecord()
+    policy = recompute_policies.matmul_policy(record, save=(op,))
     assert policy(ctx, op, *args) == torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE
     assert record.saved_bytes == out.numel() * out.element_size()
     assert record.saved_ops == [str(op)]
@@ -208,7 +209,9 @@ def test_selective_checkpointing_warns_of_no_change_to_come():
     # torch 2.15 warns (FutureWarning) that the default of respect_saved_tensors_hooks will
     # change, which would make SavedTensorCounter count every saved tensor twice.
     torch.manual_seed(0)
-    block = ac.CheckpointWrapper(Block(32, 4, dropout=0.0, flash=False), "selective")
+    block = recompute_policies.CheckpointWrapper(
+        Block(32, 4, dropout=0.0, flash=False), "selective"
+    )
     x = torch.randn(2, 16, 32, requires_grad=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)

@@ -7,8 +7,8 @@ test_lesson14_step_budget.py measures the step against the budget)."""
 import pytest
 import torch
 
-from ddp_course import activation_checkpoint as ac
 from ddp_course import activation_memory as am
+from ddp_course import recompute_policies, step_budget
 from ddp_course.models import Block, TinyGPT, lm_loss
 
 D, HEADS = 32, 4
@@ -66,7 +66,7 @@ def test_core_attention_drops_the_quadratic_terms_as_the_fused_kernel_does(seq):
     # same plus a float32 log-sum-exp per row: FlashAttention gives the saving for free.
     torch.manual_seed(0)
     block = Block(D, HEADS, 0.0, flash=False).train()
-    block.attn.attention_core = ac.CheckpointedCore(block.attn.attention_core)
+    block.attn.attention_core = recompute_policies.CheckpointedCore(block.attn.attention_core)
     x = torch.randn(2, seq, D, requires_grad=True)
     with am.SavedTensorCounter(block.parameters()) as core:
         block(x)
@@ -102,7 +102,7 @@ CFG = {"d_model": D, "n_heads": HEADS, "n_layers": 3, "seq_len": 32, "dropout": 
 def held_bytes(cfg, batch, seq, policy):
     torch.manual_seed(0)
     model = TinyGPT(**cfg)
-    record = ac.apply_policy(model, policy)
+    record = recompute_policies.apply_policy(model, policy)
     g = torch.Generator().manual_seed(1)
     x, y = (torch.randint(0, 256, (batch, seq), generator=g) for _ in range(2))
     with am.SavedTensorCounter(model.parameters()) as saved:
@@ -110,7 +110,7 @@ def held_bytes(cfg, batch, seq, policy):
     return saved.activation_bytes + record.saved_bytes
 
 
-@pytest.mark.parametrize("policy", am.POLICIES)
+@pytest.mark.parametrize("policy", recompute_policies.POLICIES)
 @pytest.mark.parametrize("batch,seq", [(2, 16), (3, 32)])
 def test_whole_model_per_policy(policy, batch, seq):
     predicted = am.predict_activations(CFG, batch, seq, policy)["held"]
@@ -125,7 +125,7 @@ def test_state_bytes_exact_after_an_adamw_step():
     opt.step()
     nbytes = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values())
     grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
-    assert am.state_bytes(model) == {
+    assert step_budget.state_bytes(model) == {
         "parameters": sum(p.numel() * 4 for p in model.parameters()),
         "gradients": grads,
         "optimizer": nbytes,
@@ -134,20 +134,20 @@ def test_state_bytes_exact_after_an_adamw_step():
 
 def test_fit_micro_batch_by_its_two_objectives():
     budget = 3_000_000
-    policy, batch, step = am.fit_micro_batch(CFG, budget, 32)
+    policy, batch, step = step_budget.fit_micro_batch(CFG, budget, 32)
     assert step.total <= budget
-    assert am.predict_step(CFG, batch + 1, 32, policy).total > budget
-    largest = {p: am.fit_micro_batch(CFG, budget, 32, policies=(p,))[1]
+    assert step_budget.predict_step(CFG, batch + 1, 32, policy).total > budget
+    largest = {p: step_budget.fit_micro_batch(CFG, budget, 32, policies=(p,))[1]
                for p in ("none", "every_other_block", "every_block")}  # fmt: skip
     assert batch == max(largest.values()) == largest[policy] and policy == "every_block"
     # The cheapest policy that fits a target: the first listed whose largest batch reaches it.
     for target in range(1, batch + 1):
-        chosen, got, plan = am.fit_micro_batch(CFG, budget, 32, target_batch=target)
+        chosen, got, plan = step_budget.fit_micro_batch(CFG, budget, 32, target_batch=target)
         first = next(p for p in largest if largest[p] >= target)
         assert (chosen, got) == (first, target) and plan.total <= budget
-    assert am.fit_micro_batch(CFG, budget, 32, target_batch=largest["none"])[0] == "none"
+    assert step_budget.fit_micro_batch(CFG, budget, 32, target_batch=largest["none"])[0] == "none"
     with pytest.raises(ValueError, match="fit under no policy"):
-        am.fit_micro_batch(CFG, budget, 32, target_batch=batch + 1)
+        step_budget.fit_micro_batch(CFG, budget, 32, target_batch=batch + 1)
 
 
 def test_bad_input_raises_clearly():
@@ -160,4 +160,4 @@ def test_bad_input_raises_clearly():
     with pytest.raises(ValueError, match="longer than"):
         am.predict_activations(CFG, 2, 64)
     with pytest.raises(ValueError, match="budget"):
-        am.fit_micro_batch(CFG, 1000, 32)
+        step_budget.fit_micro_batch(CFG, 1000, 32)

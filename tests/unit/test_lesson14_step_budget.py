@@ -7,7 +7,7 @@ small or too loose."""
 import pytest
 import torch
 
-from ddp_course import activation_checkpoint as ac
+from ddp_course import recompute_policies
 from ddp_course import step_budget as sb
 from ddp_course.data import lm_batch, shakespeare_bytes
 from ddp_course.models import TinyGPT, lm_loss
@@ -19,7 +19,7 @@ CFG = {"d_model": 32, "n_heads": 4, "n_layers": 3, "seq_len": 32, "dropout": 0.1
 def measured(batch, policy, seq=32):
     torch.manual_seed(0)
     model = TinyGPT(**CFG)
-    ac.apply_policy(model, policy)
+    recompute_policies.apply_policy(model, policy)
     opt = torch.optim.AdamW(model.parameters())
     x, y = lm_batch(shakespeare_bytes("train"), batch, seq, torch.Generator().manual_seed(0))
 
@@ -49,11 +49,3 @@ def test_check_refuses_a_bound_too_small_or_too_loose():
         plan.check(plan.total + 1)
     with pytest.raises(ValueError, match="no upper bound"):
         plan.check(int(plan.total / (1 + sb.BUDGET_MARGIN)) - 1)
-
-
-def test_the_old_names_still_answer_in_activation_memory():
-    from ddp_course import activation_memory as am
-
-    assert am.predict_step is sb.predict_step and am.fit_micro_batch is sb.fit_micro_batch
-    with pytest.raises(AttributeError):
-        am.no_such_name  # noqa: B018
