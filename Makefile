@@ -3,7 +3,8 @@
 # make test    pytest: package, scripts under torchrun, notebook sync, nbval (two passes)
 # make lab     JupyterLab at the repository root (terminals there, .venv/bin first on PATH)
 # make site    the executed notebooks as a website in build/site (nothing is re-run)
-# make slurm-test  scripts/11_train.sbatch on a one-node Slurm started here (root; apt-get)
+# make slurm-test  scripts/11_train.sbatch on a one-node Slurm started here (root; apt-get),
+#                  then lesson 11, whose Slurm job trains, is requeued and resumes
 # make gpu-check   on a GPU machine: A the GPU tests (tests/gpu/), B the notebooks with a CUDA path at
 #                  this GPU count, cheapest first, one at a time, each only if its estimate fits the
 #                  budget (9 min + 1 to stop: 10 min with 1-3 GPUs; 4 GPUs default to 30), C the rest
@@ -63,7 +64,7 @@ site: $(STAMP)
 	$(PY) docs/build_site.py --out build/site
 
 slurm-test: $(STAMP)
-	$(PY) -m pytest tests/harness/test_slurm.py -v -ra
+	$(PY) -m pytest tests/harness/test_slurm.py notebooks/11_multinode.ipynb -v -ra
 
 gpu-check: $(STAMP)
 	$(PY) -m ddp_course gpu-check $(ARGS)

@@ -16,8 +16,6 @@ import argparse
 import os
 import time
 
-from ddp_course.tools.records import write_results
-
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                       "ROLE_RANK", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")  # fmt: skip
 
@@ -31,6 +29,10 @@ def main() -> None:
         k for k in os.environ if k in LAUNCHER_VARIABLES or k.startswith("TORCHELASTIC_")
     )
     if os.environ.get("RANK", "0") == "0":
+        # Imported here: it loads torch, which only the rank that writes needs, so that
+        # the other ranks (and a rank that argparse stops) start and exit at once.
+        from ddp_course.tools.records import write_results
+
         local_rank = os.environ.get("LOCAL_RANK")
         print(f"rank 0: LOCAL_RANK={local_rank}; launcher variables {names}")
         write_results(None, args.results, {"variables": names, "local_rank": local_rank})

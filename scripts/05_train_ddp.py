@@ -41,6 +41,9 @@ from ddp_course.runtime import (
 from ddp_course.tools.records import write_results
 from ddp_course.training import TrainConfig, evaluate, train_one_epoch
 
+# What --no-eval reports in place of the test metrics, for runs compared by their weights alone.
+NOT_TESTED = {"accuracy": None, "loss": None, "samples": 0}
+
 
 def allreduce_sum_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """A broken DDP on purpose: all-reduce a bucket of gradients WITHOUT dividing
@@ -65,7 +68,12 @@ def count_renames_onto(path: str) -> list:
 
 
 def train(
-    ctx: DistContext, cfg: TrainConfig, optimizer_name: str, grad_reduce: str, dtype: torch.dtype
+    ctx: DistContext,
+    cfg: TrainConfig,
+    optimizer_name: str,
+    grad_reduce: str,
+    dtype: torch.dtype,
+    test: bool = True,
 ) -> None:
     log = get_logger(ctx)
     seed_everything(cfg.seed)  # the same model initialisation on every rank
@@ -101,12 +109,13 @@ def train(
         sampler.set_epoch(epoch)  # NEW: a different shuffle every epoch, the same on all ranks
         stats = train_one_epoch(model, loader, optimizer, ctx, epoch, cfg.max_steps, cfg.progress)
         # NEW: evaluate the plain module, so that evaluation runs no DDP collective.
-        metrics = evaluate(unwrap(model), test_set.dataset, ctx)
+        metrics = evaluate(unwrap(model), test_set.dataset, ctx) if test else NOT_TESTED
         history.append({"epoch": epoch, "train_loss": stats.loss, "train_samples": stats.samples,
                         "train_seconds": stats.seconds, "test_accuracy": metrics["accuracy"],
                         "test_loss": metrics["loss"]})  # fmt: skip
-        log.info(f"epoch {epoch}: train loss {stats.loss:.4f}, test accuracy "
-                 f"{metrics['accuracy']:.4f}, {stats.samples_per_s:,.0f} samples/s")  # fmt: skip
+        accuracy = f"{metrics['accuracy']:.4f}" if test else "not tested"
+        log.info(f"epoch {epoch}: train loss {stats.loss:.4f}, test accuracy {accuracy}, "
+                 f"{stats.samples_per_s:,.0f} samples/s")  # fmt: skip
         if cfg.checkpoint:  # step 5: save_checkpoint writes on rank 0, then all wait
             save_checkpoint(ctx, cfg.checkpoint, model, optimizer, epoch=epoch + 1)
 
@@ -140,6 +149,9 @@ def main() -> None:
                         help="sum: a broken DDP that does not divide by N")  # fmt: skip
     parser.add_argument("--float64", action="store_true",
                         help="train in float64, for runs compared to float rounding")  # fmt: skip
+    parser.add_argument("--no-eval", dest="test", action="store_false",
+                        help="no test-set evaluation after each epoch, for runs compared "
+                             "by their weights alone")  # fmt: skip
     args = vars(parser.parse_args())
     cfg = TrainConfig.from_namespace(args, parser)
     # Full float32 on Ampere+ GPUs (no TF32 convolutions), so that runs of this
@@ -149,7 +161,7 @@ def main() -> None:
     # this rank's device; the group is destroyed on the way out, even on errors.
     with distributed() as ctx:
         dtype = torch.float64 if args["float64"] else torch.float32
-        train(ctx, cfg, args["optimizer"], args["grad_reduce"], dtype)
+        train(ctx, cfg, args["optimizer"], args["grad_reduce"], dtype, args["test"])
 
 
 if __name__ == "__main__":

@@ -6,9 +6,10 @@ Run from the repository root:
     torchrun --nproc_per_node=2 scripts/07_ddp_knobs.py
     torchrun --nproc_per_node=2 scripts/07_ddp_knobs.py --unused-error   # fails on purpose
 
-With --unused-error a model with a branch that forward skips is wrapped with
-the default find_unused_parameters=False; its second step fails with torch's
-"Expected to have finished reduction in the prior iteration" error.
+A model with a branch that forward skips, wrapped with the default
+find_unused_parameters=False, fails at its second step with torch's "Expected
+to have finished reduction in the prior iteration" error: the run catches it
+and reports its message; with --unused-error the job fails with it.
 
 Models and batches live on ctx.device (cuda:<local rank> with nccl, else cpu
 with gloo); on a GPU the gradient_as_bucket_view experiment measures CUDA
@@ -155,6 +156,17 @@ def buffer_settings():
     return settings
 
 
+def unused_with_defaults(ctx, args):
+    """TwoHeads under DDP's defaults, head_a only, two steps: the second one raises.
+
+    head_b never gets a gradient, so the first step's reduction never finishes;
+    the next forward raises RuntimeError on every rank before any collective.
+    """
+    torch.manual_seed(0)
+    two_steps = argparse.Namespace(**{**vars(args), "steps": 2})
+    train(DDP(TwoHeads().to(ctx.device)), ctx, two_steps, head="a")
+
+
 def unused_on_some_ranks(ctx, args):
     """BucketedDDP and torch's DDP, find_unused_parameters=True, heads used per rank and step.
 
@@ -213,14 +225,17 @@ def main():
         no_tf32()  # BucketedDDP against torch's DDP to 1e-5: full float32, also on a GPU
         n = dist.get_world_size()
         if args.unused_error:
-            torch.manual_seed(0)
-            net = TwoHeads().to(ctx.device)
-            train(DDP(net), ctx, args, head="a")  # head_b never gets a gradient
+            unused_with_defaults(ctx, args)  # fails on purpose
             return
         results = {"world_size": n}
         results["buckets"] = {str(cap): bucket_sizes(cap, ctx, args) for cap in (0.25, 1.0, None)}
         for cap, sizes in results["buckets"].items():
             log.info(f"bucket_cap_mb={cap}: {len(sizes['torch'])} buckets of {sizes['torch']} B")
+        # find_unused_parameters=True: torch's first iteration does not use one bucket.
+        torch.manual_seed(0)
+        unused_first = DDP(LayerStack(784, 256, 8).to(ctx.device), find_unused_parameters=True)
+        results["find_unused_first_iteration"] = logged_sizes(unused_first, "bucket_sizes")
+        del unused_first
         results["buffers"] = {
             label: buffers_experiment(keyword, value, ctx, args)
             for label, keyword, value in buffer_settings()
@@ -250,6 +265,13 @@ def main():
             str(flag): memory_growth_mb(flag, ctx, args) for flag in (False, True)
         }
         log.info(f"gradient_as_bucket_view: {results['gradient_as_bucket_view']}")
+        # Last: after the error this DDP model is unusable (the process group is not).
+        try:
+            unused_with_defaults(ctx, args)
+            results["unused_error"] = None
+        except RuntimeError as error:
+            results["unused_error"] = str(error)
+        log.info(f"unused head with the defaults: {str(results['unused_error']).splitlines()[0]}")
         write_results(ctx, args.results, results)
 
 

@@ -5,6 +5,7 @@ Run from the repository root:
     torchrun --nproc_per_node=2 scripts/09_zero.py --stage 0 1 2 3
     torchrun --nproc_per_node=2 scripts/09_zero.py --optimizer sgd --lr 0.1
     torchrun --nproc_per_node=4 scripts/09_zero.py --sweep    # groups of 1, 2, 3 and 4 ranks
+    torchrun --nproc_per_node=2 scripts/09_zero.py --optimizer adam sgd   # both, one job
 
 Stage 0 is torch's DDP. Every rank trains the same MLP with Adam (or SGD
 without momentum, --optimizer sgd) on its slice of the same batches (synthetic,
@@ -16,8 +17,8 @@ ZeRO paper's formula (state_bytes_per_rank), and rank 0 the bytes its
 collectives moved in that step twice: as DDP's comm hook and ZeRO's log count
 them, and as torch's dispatcher saw them (CollectiveBytes). Stage 3 also
 reports the most bytes of full parameters gathered at once. With --sweep the
-job repeats all of it on sub-groups of its first 1, 2, ..., N ranks. Rank 0
-writes --results.
+job repeats all of it on sub-groups of its first 1, 2, ..., N ranks; with
+several --optimizer, all of it for each optimizer. Rank 0 writes --results.
 """
 
 import argparse
@@ -44,19 +45,21 @@ from ddp_course.tools.records import write_results
 # SGD without momentum steps by lr x gradient, so a gradient off by a factor shows in
 # the parameters; Adam divides by the gradient's own size and hides it.
 OPTIMIZERS = {"adam": (torch.optim.Adam, FP32_ADAM), "sgd": (torch.optim.SGD, FP32_SGD)}
+DEFAULT_LR = {"adam": 1e-3, "sgd": 0.1}
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--stage", type=int, nargs="+", default=[0, 1, 2, 3], choices=range(4),
                    help="stages to run; 0 is torch's DDP")  # fmt: skip
-    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam",
-                   help="sgd: plain SGD (no momentum), where a gradient's scale shows")  # fmt: skip
+    p.add_argument("--optimizer", nargs="+", choices=sorted(OPTIMIZERS), default=["adam"],
+                   help="sgd: plain SGD (no momentum), where a gradient's scale shows; "
+                        "several: each in turn")  # fmt: skip
     p.add_argument("--steps", type=int, default=3,
                    help="steps per stage; the last one's traffic is reported")  # fmt: skip
     p.add_argument("--batch-size", type=int, default=16, help="samples per rank per step")
     p.add_argument("--hidden", type=int, default=128, help="width of the MLP's hidden layers")
-    p.add_argument("--lr", type=float, default=1e-3, help="the optimizer's learning rate")
+    p.add_argument("--lr", type=float, help="learning rate (default: 1e-3 adam, 0.1 sgd)")
     p.add_argument("--sweep", action="store_true", help="also on groups of 1 .. N-1 ranks")
     p.add_argument("--results", help="write the measurements here as JSON (rank 0)")
     return p.parse_args()
@@ -152,7 +155,8 @@ def run_group(args, stages, images, labels, ranks, ctx):
         dist.all_gather_object(per_rank, {"held": held.__dict__, "cuda_peak_bytes": cuda_peak},
                                group=group)  # fmt: skip
         formula = state_bytes_per_rank(stage, num_params, n, OPTIMIZERS[args.optimizer][1])
-        rows.append({"stage": stage, "world_size": n, "num_params": num_params,
+        rows.append({"optimizer": args.optimizer, "lr": args.lr,
+                     "stage": stage, "world_size": n, "num_params": num_params,
                      "param_tensors": len(reference), "gap": gap, "moved": moved,
                      "per_rank": per_rank,
                      "formula": formula.__dict__, "sent_bytes": sent,
@@ -172,18 +176,21 @@ def main():
         images, labels = synthetic_classification(count).tensors
         sizes = range(1, ctx.world_size + 1) if args.sweep else [ctx.world_size]
         rows = []
-        for n in sizes:
-            rows += run_group(args, args.stage, images, labels, list(range(n)), ctx)
+        for optimizer in args.optimizer:
+            lr = DEFAULT_LR[optimizer] if args.lr is None else args.lr
+            one = argparse.Namespace(**{**vars(args), "optimizer": optimizer, "lr": lr})
+            for n in sizes:
+                rows += run_group(one, args.stage, images, labels, list(range(n)), ctx)
         for r in rows:
             held = r["per_rank"][0]["held"]
-            log.info(f"N={r['world_size']} stage {r['stage']}: |param - DDP| {r['gap']:.1e}; "
+            log.info(f"{r['optimizer']} N={r['world_size']} stage {r['stage']}: "
+                     f"|param - DDP| {r['gap']:.1e}; "
                      f"rank 0 holds {sum(held.values()) / 1e6:.3f} MB "
                      f"(formula {sum(r['formula'].values()) / 1e6:.3f}), "
                      f"{r['sent_bytes'] / 1e6:.3f} MB into collectives in a step")  # fmt: skip
         write_results(ctx, args.results, {"world_size": ctx.world_size,
                                           "device": ctx.device.type, "steps": args.steps,
-                                          "optimizer": args.optimizer, "lr": args.lr,
-                                          "rows": rows})  # fmt: skip
+                                          "optimizers": args.optimizer, "rows": rows})  # fmt: skip
 
 
 if __name__ == "__main__":

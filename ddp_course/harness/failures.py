@@ -28,11 +28,21 @@ class LaunchError(RuntimeError):
         rank: the global rank that failed first (``None`` if unknown).
         returncode: torchrun's exit code.
         logs: per-rank output ``{rank: text}``.
+        output: the job's own output as it streamed (for torchrun: rank 0's lines and
+            the agent's, its failure summary included; ``""`` when not kept).
     """
 
-    def __init__(self, message: str, rank: int | None, returncode: int, logs: dict[int, str]):
+    def __init__(
+        self,
+        message: str,
+        rank: int | None,
+        returncode: int,
+        logs: dict[int, str],
+        output: str = "",
+    ):
         super().__init__(message)
         self.rank, self.returncode, self.logs = rank, returncode, logs
+        self.output = output
 
 
 class LaunchTimeout(LaunchError):

@@ -152,7 +152,7 @@ def _run_job(
         raise LaunchError(
             f"{script.name} failed on {where} (exit code {returncode}).\n"
             f"--- end of {where}'s output ---\n{detail}",
-            rank, returncode, logs,
+            rank, returncode, logs, output,
         )  # fmt: skip
     data = None
     if results_path is not None:

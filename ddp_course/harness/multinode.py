@@ -36,6 +36,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -232,6 +233,7 @@ def torchrun_nodes(
     log_dir: str | os.PathLike | None = None,
     grace_s: float = 10.0,
     rdzv_conf: Mapping[str, Any] | None = None,
+    silent_s: float | None = None,
 ) -> MultiNodeResult:
     """Run one job as several torchrun agents (nodes) on this machine and wait for it.
 
@@ -272,6 +274,9 @@ def torchrun_nodes(
             endpoint's host but not its hostname's (a namespace, a second
             network card) also gets ``is_host=true``: torch guesses who hosts
             the rendezvous store from the hostname and would find no host.
+        silent_s: stop the job as hung, as ``timeout_s`` does, once every node
+            has started and no agent printed a line (its node's rank 0
+            included) for this many seconds; default None, only ``timeout_s``.
 
     Returns:
         :class:`MultiNodeResult`.
@@ -280,9 +285,10 @@ def torchrun_nodes(
         FileNotFoundError: ``script`` does not exist.
         ValueError: no nodes, a node with ``nproc`` < 1, or ``env`` asks for a
             ``DDP_COURSE_DEVICE`` other than ``"cpu"`` (the message says why).
-        LaunchTimeout: the job ran past ``timeout_s``; every process of every
-            node was killed; the message says which nodes never got workers
-            (a rendezvous that did not complete) and where each rank was.
+        LaunchTimeout: the job ran past ``timeout_s`` or was silent for
+            ``silent_s``; every process of every node was killed; the message
+            says which nodes never got workers (a rendezvous that did not
+            complete) and where each rank was.
         LaunchError: an agent failed; the message names the node and the
             rank and shows the traceback, or says what to fix in the
             rendezvous settings.
@@ -352,7 +358,7 @@ def torchrun_nodes(
                                    [*conf_args, *extra_torchrun_args], script, args)  # fmt: skip
             print(f"[node {i}] $ {shown}", flush=True)
         return _run_nodes(nodes, cmds, envs, path, endpoint, timeout_s, echo, grace_s,
-                          logs_root, results_path)  # fmt: skip
+                          logs_root, results_path, silent_s)  # fmt: skip
 
 
 def _run_nodes(
@@ -366,9 +372,12 @@ def _run_nodes(
     grace_s: float,
     logs_root: pathlib.Path,
     results_path: pathlib.Path | None,
+    silent_s: float | None = None,
 ) -> MultiNodeResult:
     start = time.perf_counter()
     deadline = start + timeout_s
+    # A hung job prints nothing: the clock restarts at every line and every node start.
+    lines_seen, quiet_since, went_silent = -1, start, False
     running: dict[int, tuple[subprocess.Popen, Any, list[str]]] = {}
     codes: dict[int, int] = {}
     first_failure: int | None = None
@@ -398,6 +407,16 @@ def _run_nodes(
                 break
             if now >= deadline:
                 raise subprocess.TimeoutExpired(cmds[0], timeout_s)
+            seen = sum(len(out) for _, _, out in running.values()) + len(running)
+            if seen != lines_seen:
+                lines_seen, quiet_since = seen, now
+            elif (
+                silent_s is not None
+                and len(running) == len(nodes)
+                and (now - quiet_since >= silent_s)
+            ):
+                went_silent = True
+                raise subprocess.TimeoutExpired(cmds[0], silent_s)
             time.sleep(0.05)
     except subprocess.TimeoutExpired:
         for proc, _, _ in running.values():
@@ -416,8 +435,10 @@ def _run_nodes(
             failures.where_stuck(logs, script).replace("\n  rank", f"\n  node {i} local rank")
             for i, logs in sorted(node_logs.items())
         )
+        why = (f"printed nothing for {silent_s:g} s (silent_s)" if went_silent
+               else f"ran past its {timeout_s:g} s timeout")  # fmt: skip
         error = launch.LaunchTimeout(
-            f"{script.name} ran past its {timeout_s:g} s timeout on {len(nodes)} node(s); "
+            f"{script.name} {why} on {len(nodes)} node(s); "
             f"every process of every node was killed.{hint}{where}",
             None, -signal.SIGKILL, _flatten(node_logs, running, nodes),
         )  # fmt: skip
@@ -460,9 +481,14 @@ def _run_nodes(
 
 
 def _stop_all(running: Mapping[int, tuple[subprocess.Popen, Any, list[str]]]) -> None:
-    for proc, _, _ in running.values():
-        if proc.poll() is None:
-            jobs.kill_job(proc)
+    # All at once: an agent stuck in a store call ignores SIGTERM for kill_job's whole
+    # grace period, and one at a time the waits would add up, node after node.
+    stoppers = [threading.Thread(target=jobs.kill_job, args=(proc,))
+                for proc, _, _ in running.values() if proc.poll() is None]  # fmt: skip
+    for stopper in stoppers:
+        stopper.start()
+    for stopper in stoppers:
+        stopper.join()
     for _, reader, _ in running.values():
         reader.join(timeout=5)
 

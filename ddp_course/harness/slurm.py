@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import pathlib
 import random
@@ -176,6 +177,14 @@ def _node_line() -> str:
     return line
 
 
+def _epoch_s(stamp: str) -> float | None:
+    # scontrol prints times as local time to the second, e.g. 2026-11-27T01:03:58.
+    try:
+        return time.mktime(time.strptime(stamp, "%Y-%m-%dT%H:%M:%S"))
+    except ValueError:
+        return None  # "Unknown", "None" or empty
+
+
 def _fields(text: str) -> dict[str, str]:
     # scontrol -o prints one record as Key=Value pairs separated by spaces.
     return dict(item.split("=", 1) for item in text.split() if "=" in item)
@@ -289,14 +298,18 @@ class LocalSlurm:
             "MpiDefault=none",
             "MailProg=/bin/true",  # no mail on a test cluster
             "SchedulerType=sched/builtin",
-            "SchedulerParameters=sched_min_interval=100000",  # start a job within 0.1 s, not 2 s
+            # Start a submitted job within 0.1 s, not 2 s; and look at pending jobs every
+            # second, not every 60: a requeued job waits for its start time, which no
+            # event announces, so only this loop starts it.
+            "SchedulerParameters=sched_min_interval=100000,sched_interval=1",
             "SelectType=select/cons_tres",
             "SelectTypeParameters=CR_Core",
             "ReturnToService=2",
             # Job ids differ from one cluster to the next, as on a long-lived cluster:
             # a batch script may derive ports and file names from them.
             f"FirstJobId={random.randrange(1000, 1_000_000)}",
-            "MinJobAge=300",  # finished jobs stay visible to scontrol this many seconds
+            # Finished jobs stay visible to scontrol, and can be requeued, this many seconds.
+            "MinJobAge=3600",
             "KillWait=5",  # seconds between SIGTERM and SIGKILL when a job is cancelled
             "SlurmctldTimeout=30",
             "SlurmdTimeout=30",
@@ -474,7 +487,9 @@ class LocalSlurm:
         node failure or a preemption: the job goes back to pending with the
         same job id and ``SLURM_RESTART_COUNT`` one higher. Slurm then holds it
         for ``cred_expire`` seconds (``Reason=BeginTime``), 120 by default; this
-        cluster sets it to :data:`CRED_EXPIRE_S` and starts the job right after it
+        cluster sets it to :data:`CRED_EXPIRE_S` and starts the job as soon as the
+        node has forgotten the last run's credential: that long after the run
+        ended, so at once for a job that ended longer ago
         (https://slurm.schedmd.com/scontrol.html).
 
         Raises:
@@ -487,15 +502,22 @@ class LocalSlurm:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the node did not become idle to requeue job {job_id}")
             time.sleep(0.1)
+        fields = self.job_state(job_id)
+        ended = (
+            _epoch_s(fields.get("EndTime", "")) if fields.get("JobState") in _FINAL_STATES else None
+        )
         self._run(["scontrol", "requeue", str(job_id)])
         deadline = time.monotonic() + _COMMAND_TIMEOUT_S
         while self.job_state(job_id).get("JobState") != "PENDING":
             if time.monotonic() > deadline:
                 raise RuntimeError(f"job {job_id} did not go back to PENDING after requeue")
             time.sleep(0.1)
-        # Not StartTime=now: started before the node forgot the first run's
-        # credential, the job is killed at once ("Job credential revoked").
-        start = f"now+{CRED_EXPIRE_S + 1}"
+        # Started before the node forgot the last run's credential, the job is killed
+        # at once ("Job credential revoked"). The node revokes it when the run ends:
+        # now for a running job, at EndTime (whole seconds, so one more) for a finished one.
+        forget_at = (ended + 1 if ended is not None else time.time()) + CRED_EXPIRE_S + 1
+        wait_s = math.ceil(forget_at - time.time())
+        start = f"now+{wait_s}" if wait_s > 0 else "now"
         self._run(["scontrol", "update", f"JobId={job_id}", f"StartTime={start}"])
 
     # --- tear-down ----------------------------------------------------------------

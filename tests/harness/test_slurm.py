@@ -3,17 +3,17 @@
 The cluster needs root and Debian's slurm-wlm and munge (installed with apt-get
 when missing); where it cannot come up the tests skip with the reason. Every
 wait has a timeout, and the cluster's daemons are stopped on the way out.
-Run alone with ``make slurm-test``.
+Run alone with ``make slurm-test``, which also runs notebooks/11_multinode.ipynb:
+the job that trains through the batch script, is requeued and resumes to the same
+parameters runs there once (section 6 and exercise 6), with every check of it.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import socket
 import subprocess
-import sys
 import time
 
 import psutil
@@ -38,11 +38,6 @@ SBATCH = REPO / "scripts" / "11_train.sbatch"
 pytestmark = [pytest.mark.timeout(450), pytest.mark.serial]
 
 
-def _venv_path() -> str:
-    # sbatch hands the job this environment: the course's python and torchrun first.
-    return os.pathsep.join([str(pathlib.Path(sys.executable).parent), os.environ["PATH"]])
-
-
 @pytest.fixture(scope="module")
 def cluster():
     started = time.time()
@@ -60,38 +55,6 @@ def cluster():
     # must be gone within seconds, not left running.
     _, alive = psutil.wait_procs(late, timeout=10)
     assert alive == [], f"Slurm or MUNGE processes left running: {[p.info for p in alive]}"
-
-
-def test_sbatch_trains_on_slurm_and_a_requeued_job_resumes(cluster, tmp_path):
-    env = {"PATH": _venv_path(), "NPROC_PER_NODE": "2", "SNAPSHOT_DIR": str(tmp_path)}
-    results = tmp_path / "r.json"
-    job = cluster.sbatch(SBATCH, ["--epochs", "1", "--results", str(results)], env=env,
-                         options=["--nodes=1"], cwd=REPO)  # fmt: skip
-    first = cluster.wait(job, timeout_s=180)
-    run = json.loads(results.read_text())
-    # Two ranks on the one node, as torchrun under srun numbered them.
-    assert run["world_size"] == 2
-    assert [(r["rank"], r["local_rank"], r["group_rank"]) for r in run["ranks"]] == [
-        (0, 0, 0), (1, 1, 0)
-    ]  # fmt: skip
-    assert {r["world_size"] for r in run["ranks"]} == {2}
-    assert run["backend"] == "gloo"  # no GPU allocated: the CPU rule
-    assert run["epochs_done"] == 1 and run["resumed_from"] is None
-    assert run["test_accuracy"] > 0.5  # trained: ten classes guess at 0.1
-    assert "Slurm restart 0: 1 node(s)" in first.output
-    assert "Setting OMP_NUM_THREADS" not in first.output  # the script sets the threads itself
-    snapshot = tmp_path / f"job-{job}.pt"
-    assert snapshot.exists()  # named by the job id, on the folder given as shared storage
-
-    # Requeue (what Slurm does after a node failure): same job id, so the same snapshot.
-    cluster.requeue(job)
-    second = cluster.wait(job, timeout_s=180)
-    again = json.loads(results.read_text())
-    assert second.restarts == 1
-    assert again["resumed_from"] == {"epoch": 1, "step": 0}
-    assert again["parameters_sha256"] == run["parameters_sha256"]  # the snapshot's model
-    # --open-mode=append: both runs in one output file.
-    assert "Slurm restart 0:" in second.output and "Slurm restart 1:" in second.output
 
 
 def test_a_job_without_the_course_environment_fails_with_its_output(cluster, tmp_path):

@@ -1,6 +1,6 @@
 """Lesson 07's scripts with tiny settings: each as one plain process, and under
 torchrun where the notebook does not already run them that way (the
-benchmark, and the deliberate unused-parameter failure)."""
+benchmark)."""
 
 import json
 
@@ -53,6 +53,10 @@ def _check_knobs(r):
     assert r["buckets"]["None"]["ours"] != r["buckets"]["None"]["torch"]
     # One process: every setting of the buffer experiments trains, whatever this torch has.
     assert "broadcast_buffers=True" in r["buffers"] and r["buffers_bucketed"]
+    # The unused head under DDP's defaults fails at its second step, also in a group of one;
+    # with find_unused_parameters=True torch's first iteration has more than one bucket.
+    assert "Expected to have finished reduction" in r["unused_error"]
+    assert len(r["find_unused_first_iteration"]) > 1
 
 
 def _check_sync_batchnorm(r):
@@ -92,6 +96,3 @@ def test_lesson07_benchmark_under_torchrun(root, tmp_path):
                     str(out)], nproc=2, echo=False, timeout_s=300)  # fmt: skip
     assert out.with_suffix(".png").exists()
     _check_benchmark(json.loads(out.read_text()), world_size=2)
-
-
-# The --unused-error run (torch names the unused parameter) is asserted by notebook 07.

@@ -13,7 +13,8 @@ RESULT_KEYS = {"world_size", "epochs", "train_loss", "test_accuracy", "test_samp
 
 
 def test_fail_on_rank_names_the_rank(root, capsys):
-    # echo=True: torchrun's own summary is printed too, and read as notebook 00's exercise 3 does.
+    # echo=True: torchrun's own summary is printed too; the error keeps it as well
+    # (LaunchError.output), where notebook 00's exercise 3 reads it.
     with pytest.raises(launch.LaunchError) as info:
         launch.torchrun(root / "scripts/00_fail_on_rank.py", ["--rank", "0"], nproc=2,
                         echo=True, timeout_s=120)  # fmt: skip
@@ -21,6 +22,7 @@ def test_fail_on_rank_names_the_rank(root, capsys):
     blamed, times = torchrun_summary(capsys.readouterr().out)
     # Rank 0 fails first, so torchrun lists it first and names it even on a tie in seconds.
     assert blamed == 0 and 0 in times, (blamed, times)
+    assert torchrun_summary(info.value.output) == (blamed, times)
 
 
 def test_train_ddp_as_plain_python(root):
