@@ -12,7 +12,8 @@ their execution), ``tensor_parallel`` (Megatron-LM's column- and row-parallel ML
 ``sequence_parallel`` (sequence parallelism and tensor-parallel Transformer
 blocks), ``parallel_rng`` (dropout random numbers per region and rank),
 ``mesh_layouts`` (TinyGPT's layouts on a device mesh with PyTorch's own
-parallelisms) and ``mesh_collectives`` (the collectives each layout runs),
+parallelisms), ``mesh_model`` (a layout's training step) and ``mesh_predictions``
+(what each layout holds and runs),
 ``sharding`` (ZeRO stages 1-3 and their memory and traffic),
 ``activation_memory``, ``activation_checkpoint``, ``recompute_policies`` and
 ``step_budget`` (what a step saves for backward, recomputing it, and a step's budget),
@@ -21,8 +22,9 @@ parallelisms) and ``mesh_collectives`` (the collectives each layout runs),
 ``expert_parallel`` (a mixture of experts over ranks), ``checkpoint``,
 ``training`` (train and exact evaluation loops), ``data`` and ``models``.
 
-Two subpackages hold the rest: ``tools`` measures and diagnoses a job (``bench``,
-``scaling``, ``trace``, ``monitor``, ``debug``); ``harness`` runs the course
+Two subpackages hold the rest: ``tools`` measures and diagnoses a job
+(``collective_log``, ``bench``, ``scaling``, ``trace``, ``monitor``, ``debug``,
+``flops``); ``harness`` runs the course
 (``launch`` and its parts, ``restarts``, ``multinode``, ``netns``, ``slurm``, the
 command line ``cli``, ``gpu_check`` and the notebooks' ``notebook`` helpers).
 """

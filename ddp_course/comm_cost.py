@@ -16,10 +16,8 @@ The algorithms count what they actually pass to ``isend``/``irecv`` into a
 test can compare the two. Which bytes each rank owns is
 :func:`ddp_course.partition.partition`'s ``"split"`` style.
 
-:class:`CollectiveLog` is the same comparison for code that calls
-``torch.distributed``'s collectives directly (sequence parallelism, FSDP2):
-it logs every call with its bytes and, on a device mesh, the dimension it
-ran on (notebook 13).
+What code that calls ``torch.distributed`` (or DDP, FSDP2, DTensor) sends is
+logged by :class:`ddp_course.tools.collective_log.CollectiveLog`.
 
 A cost model fitted to timings describes one link. :func:`sweep_device_plan`
 puts every world size of a sweep on the same device and backend, and
@@ -28,20 +26,13 @@ puts every world size of a sweep on the same device and backend, and
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import inspect
-import itertools
-from collections.abc import Iterator, Sequence
-
-import torch
-import torch.distributed as dist
+from collections.abc import Sequence
 
 from . import runtime
 from .partition import check_rank, partition
 
 __all__ = [
-    "CollectiveLog",
     "CommStats",
     "link_label",
     "parameter_server_bytes",
@@ -200,143 +191,3 @@ def link_label(backend: str, device: str) -> str:
             return "TCP between processes, CUDA tensors staged through host memory (gloo)"
         return "loopback TCP between processes (gloo, CPU)"
     raise ValueError(f"no link label for backend {backend!r}")
-
-
-# torch.distributed's functions and the name each call is logged under (the *_single
-# names are those of older PyTorch releases).
-_WATCHED = {
-    "all_reduce": "all_reduce",
-    "all_gather_into_tensor": "all_gather",
-    "all_gather_single": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter",
-    "reduce_scatter_single": "reduce_scatter",
-    "all_to_all_single": "all_to_all",
-    "batch_isend_irecv": "p2p",
-}
-
-
-def _all_to_all_sent(whole: torch.Tensor, splits, group) -> int:
-    """Bytes of ``whole`` (rows split by ``splits``, or evenly) that leave this rank."""
-    size, me = dist.get_world_size(group), dist.get_rank(group)
-    if not splits:
-        return whole.numel() * whole.element_size() * (size - 1) // size
-    row = whole[0].numel() * whole.element_size() if len(whole) else 0
-    return sum(rows for peer, rows in enumerate(splits) if peer != me) * row
-
-
-class CollectiveLog:
-    """Every ``torch.distributed`` collective called inside ``recording()``: its bytes and group.
-
-    ``with log.recording("forward"): ...`` replaces ``all_reduce``,
-    ``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_to_all_single``
-    and ``batch_isend_irecv`` of ``torch.distributed`` by wrappers that log each
-    call, and restores them afterwards (also on error). Each call is logged in
-    :attr:`calls` as ``{"phase", "op", "shape", "dtype", "bytes", "sent", "dims"}``:
-
-    - ``op``: ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``
-      or ``p2p`` (one ``batch_isend_irecv``);
-    - ``bytes``: the size of the *whole* tensor (the all-reduce's tensor, the
-      all-gather's output, the reduce-scatter's and the all-to-all's input; the
-      tensors a ``p2p`` batch sends), so the calls compare directly: a ring
-      sends ``2(N-1)/N`` of it per rank for an all-reduce and ``(N-1)/N`` for an
-      all-gather or a reduce-scatter;
-    - ``sent``: the bytes this rank sends to other ranks, where the call alone
-      says it: an all-to-all's rows for the other ranks (from its
-      ``input_split_sizes``, or an even split), a ``p2p`` batch's sends;
-      ``None`` for the others, whose traffic depends on the backend's algorithm;
-    - ``dims``: with a ``mesh``, the mesh dimension(s) whose process group the
-      call ran on (``"tp"``, ``"replicate+shard"`` for HSDP; ``"self"`` for a
-      group of one, ``"world"`` for the whole job), found by comparing the
-      group's ranks with this rank's group along each dimension and each
-      combination of dimensions; without a mesh, ``None``.
-
-    It sees what calls those Python functions (the course's autograd functions,
-    FSDP2), not DTensor's functional collectives, which
-    ``torch.distributed.tensor.debug.CommDebugMode`` counts, nor DDP's bucket
-    all-reduces, which run in C++.
-
-    Args:
-        mesh: a ``DeviceMesh`` with named dimensions, or ``None``.
-    """
-
-    def __init__(self, mesh=None):
-        self.calls: list[dict] = []
-        self._dims: dict[tuple[int, ...], str] = {}
-        if mesh is not None:
-            names = mesh.mesh_dim_names
-            # The first name wins where dimensions of size 1 make two groups equal.
-            for k in range(1, len(names) + 1):
-                for combo in itertools.combinations(names, k):
-                    sub = mesh[combo] if k > 1 else mesh[combo[0]]
-                    ranks = tuple(sorted(sub.mesh.flatten().tolist()))
-                    self._dims.setdefault(ranks, "+".join(combo))
-        self._mesh = mesh
-
-    def _group_dims(self, group: dist.ProcessGroup | None) -> str | None:
-        if self._mesh is None:
-            return None
-        ranks = tuple(sorted(dist.get_process_group_ranks(group or dist.group.WORLD)))
-        if len(ranks) == 1:
-            return "self"
-        return self._dims.get(ranks, "world" if len(ranks) == dist.get_world_size() else "?")
-
-    def _record(self, phase, op, named) -> dict:
-        if op == "p2p":
-            sends = [o for o in named["p2p_op_list"] if o.op in (dist.isend, dist.send)]
-            nbytes = sum(o.tensor.numel() * o.tensor.element_size() for o in sends)
-            first = sends[0].tensor if sends else named["p2p_op_list"][0].tensor
-            group = named["p2p_op_list"][0].group
-            return {"phase": phase, "op": op, "shape": list(first.shape),
-                    "dtype": str(first.dtype), "bytes": nbytes, "sent": nbytes,
-                    "dims": self._group_dims(group)}  # fmt: skip
-        tensors = [v for v in named.values() if isinstance(v, torch.Tensor)]
-        # The whole tensor: the output of an all-gather, the input otherwise.
-        whole = tensors[1] if op in ("reduce_scatter", "all_to_all") else tensors[0]
-        group = named.get("group")
-        sent = None
-        if op == "all_to_all":
-            sent = _all_to_all_sent(whole, named.get("input_split_sizes"), group)
-        return {"phase": phase, "op": op, "shape": list(whole.shape), "dtype": str(whole.dtype),
-                "bytes": whole.numel() * whole.element_size(), "sent": sent,
-                "dims": self._group_dims(group)}  # fmt: skip
-
-    @contextlib.contextmanager
-    def recording(self, phase: str | None = None) -> Iterator[None]:
-        """Log the collectives called inside the ``with`` block under ``phase``."""
-        originals = {n: getattr(dist, n) for n in _WATCHED if hasattr(dist, n)}
-
-        def wrap(name, original):
-            op, signature = _WATCHED[name], inspect.signature(original)
-
-            def logged(*args, **kwargs):
-                # By name, in the signature's order: FSDP2 passes its tensors as keywords.
-                named = signature.bind(*args, **kwargs).arguments
-                self.calls.append(self._record(phase, op, named))
-                return original(*args, **kwargs)
-
-            return logged
-
-        for name, original in originals.items():
-            setattr(dist, name, wrap(name, original))
-        try:
-            yield
-        finally:
-            for name, original in originals.items():
-                setattr(dist, name, original)
-
-    def summary(self, phase: str | None = None) -> dict[str, list[int]]:
-        """``{op: [bytes of each call]}`` for one phase (or every phase)."""
-        out: dict[str, list[int]] = {}
-        for c in self.calls:
-            if phase is None or c["phase"] == phase:
-                out.setdefault(c["op"], []).append(c["bytes"])
-        return out
-
-    def counts(self, phase: str | None = None) -> dict[str, int]:
-        """``{"<op> <dims>": calls}`` for one phase (or all), e.g. ``"all_gather shard"``."""
-        out: dict[str, int] = {}
-        for c in self.calls:
-            if phase is None or c["phase"] == phase:
-                key = f"{c['op']} {c['dims']}"
-                out[key] = out.get(key, 0) + 1
-        return out

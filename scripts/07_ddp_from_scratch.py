@@ -3,13 +3,15 @@
 Run from the repository root:
     python scripts/07_ddp_from_scratch.py
     torchrun --nproc_per_node=2 scripts/07_ddp_from_scratch.py --steps 3
+    torchrun --nproc_per_node=2 scripts/07_ddp_from_scratch.py --parts timeline
 
 Every rank trains each from-scratch version next to torch's DDP, from the same
-start on the same data, and reports the largest parameter difference. Then it
-times one backward pass per rank (gradients ready, each bucket's all-reduce)
-for one bucket per parameter, buckets reduced after backward, and buckets
-overlapped with backward; and it runs gradient accumulation with no_sync
-right and wrong. Rank 0 writes everything to --results as JSON.
+start on the same data, and reports the largest parameter difference
+(compare). Then it times one backward pass per rank (gradients ready, each
+bucket's all-reduce) for one bucket per parameter, buckets reduced after
+backward, and buckets overlapped with backward (timeline); and it runs
+gradient accumulation with no_sync right and wrong (accumulation). --parts
+picks some of the three. Rank 0 writes what ran to --results as JSON.
 
 Models and batches live on ctx.device (cuda:<local rank> with nccl, else
 cpu with gloo). On a GPU the timeline's times are host times: when a hook ran
@@ -24,13 +26,15 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_course.ddp import BucketedDDP, NaiveDDP, average_gradients
 from ddp_course.models import LayerStack
 from ddp_course.runtime import distributed, get_logger, no_tf32
+from ddp_course.tools.collective_log import CollectiveLog
 from ddp_course.tools.records import write_results
+
+PARTS = ("compare", "timeline", "accumulation")
 
 
 def parse_args():
@@ -41,6 +45,8 @@ def parse_args():
     p.add_argument("--layers", type=int, default=8, help="hidden layers (2 tensors each)")
     p.add_argument("--bucket-cap-mb", type=float, default=0.5, help="bucket capacity, MB")
     p.add_argument("--accum", type=int, default=4, help="micro-batches per optimizer step")
+    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
+                   help="what to run (default: all three)")  # fmt: skip
     p.add_argument("--results", help="write the measurements here as JSON (rank 0)")
     return p.parse_args()
 
@@ -122,49 +128,28 @@ def timeline(args, ctx, cap_mb, overlap):
             "done": [per_bucket["done"].get(i, returned) for i in buckets]}  # fmt: skip
 
 
-class AllReduceCounter:
-    """Counts dist.all_reduce calls made through torch.distributed's Python API."""
-
-    def __init__(self):
-        self.calls, self.inner = 0, dist.all_reduce
-
-    def __call__(self, *a, **kw):
-        self.calls += 1
-        return self.inner(*a, **kw)
-
-
 def accumulate(args, ctx, how, wrapper="BucketedDDP"):
     """One optimizer step from ``args.accum`` micro-batches, three ways of using no_sync.
 
-    ``wrapper``: ``"BucketedDDP"`` (all-reduce calls counted at ``dist.all_reduce``)
-    or ``"torch DDP"`` (bucket all-reduces counted by a communication hook).
-    ``synced[i]``: whether micro-batch ``i``'s backward communicated.
+    ``wrapper``: ``"BucketedDDP"`` or ``"torch DDP"``; the all-reduces of either are
+    counted by the course's collective log, which also sees torch's C++ reducer.
+    ``synced[i]``: whether micro-batch ``i``'s forward and backward communicated.
     """
     k, b = args.accum, args.batch_size
     net = make_model(args, 0, ctx.device)
-    hook_calls = [0]
     if wrapper == "BucketedDDP":
         model = BucketedDDP(net, bucket_cap_mb=args.bucket_cap_mb)
     else:
         model = DDP(net, bucket_cap_mb=args.bucket_cap_mb)
-
-        def counting_hook(group, bucket):  # torch's default all-reduce, counted
-            hook_calls[0] += 1
-            return default_hooks.allreduce_hook(group, bucket)
-
-        model.register_comm_hook(dist.group.WORLD, counting_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     x, y = global_batches(args, ctx.world_size, 1, k * b, ctx.device)[0]
     mine = torch.arange(ctx.world_size * k * b, device=ctx.device)
     mine = mine.view(ctx.world_size, k, b)[ctx.rank]
-    counter = AllReduceCounter()
-    dist.all_reduce = counter
-    synced = []
-    try:
-        for i in range(k):
-            before = counter.calls + hook_calls[0]
-            last = i == k - 1
-            xs, ys = x[mine[i]], y[mine[i]]
+    log = CollectiveLog()
+    for i in range(k):
+        last = i == k - 1
+        xs, ys = x[mine[i]], y[mine[i]]
+        with log.recording(i):
             if how == "right":  # forward and backward inside no_sync, except the last
                 with model.no_sync() if not last else contextlib.nullcontext():
                     (F.cross_entropy(model(xs), ys) / k).backward()
@@ -175,9 +160,8 @@ def accumulate(args, ctx, how, wrapper="BucketedDDP"):
             else:  # "never": the last micro-batch inside no_sync too
                 with model.no_sync():
                     (F.cross_entropy(model(xs), ys) / k).backward()
-            synced.append(counter.calls + hook_calls[0] > before)
-    finally:
-        dist.all_reduce = counter.inner
+    all_reduces = [c["phase"] for c in log.calls if c["op"] == "all_reduce"]
+    synced = [i in all_reduces for i in range(k)]
     opt.step()
     # The same step on one process, with the whole global batch.
     single = make_model(args, 0, ctx.device)
@@ -190,7 +174,7 @@ def accumulate(args, ctx, how, wrapper="BucketedDDP"):
     dist.all_gather(everyone, flat)
     spread = max((t - everyone[0]).abs().max().item() for t in everyone)
     buckets = len(model.buckets) if wrapper == "BucketedDDP" else None
-    return {"all_reduce_calls": counter.calls, "hook_calls": hook_calls[0], "synced": synced,
+    return {"all_reduce_calls": len(all_reduces), "synced": synced,
             "buckets": buckets, "diff_single": max_param_diff(model.module, single),
             "rank_spread": spread}  # fmt: skip
 
@@ -201,31 +185,34 @@ def main():
         log = get_logger(ctx)
         no_tf32()  # compared to 1e-5: full float32 on every side, also on a GPU
         world_size = dist.get_world_size()
-        diffs = {k: compare_with_torch(k, args, ctx)
-                 for k in ("average_gradients", "NaiveDDP", "BucketedDDP")}  # fmt: skip
-        for kind, diff in diffs.items():
-            log.info(f"{kind:17s} max |param - torch DDP| after {args.steps} steps: {diff:.2e}")
-        timelines = {
-            "per parameter": timeline(args, ctx, cap_mb=1e-9, overlap=True),
-            "buckets after backward": timeline(args, ctx, args.bucket_cap_mb, overlap=False),
-            "buckets overlapped": timeline(args, ctx, args.bucket_cap_mb, overlap=True),
-        }
-        per_rank = [None] * world_size
-        dist.all_gather_object(per_rank, timelines)
-        ways = ("right", "backward_only", "never")
-        accumulation = {how: accumulate(args, ctx, how) for how in ways}
-        # The same three ways with torch's DDP: does its forward decide, too?
-        accumulation_torch = {how: accumulate(args, ctx, how, "torch DDP") for how in ways}
-        global_batch = args.batch_size * args.accum * world_size
-        log.info(f"global batch = micro-batch {args.batch_size} x accumulation {args.accum} "
-                 f"x world size {world_size} = {global_batch} samples per step")  # fmt: skip
-        write_results(ctx, args.results, {"world_size": world_size, "steps": args.steps,
-                                          "diffs": diffs, "timelines": per_rank,
-                                          "accumulation": accumulation,
-                                          "accumulation_torch": accumulation_torch,
-                                          "accum": args.accum, "bucket_cap_mb": args.bucket_cap_mb,
-                                          "hidden": args.hidden, "layers": args.layers,
-                                          "batch_size": args.batch_size})  # fmt: skip
+        results = {"world_size": world_size, "steps": args.steps, "accum": args.accum,
+                   "bucket_cap_mb": args.bucket_cap_mb, "hidden": args.hidden,
+                   "layers": args.layers, "batch_size": args.batch_size}  # fmt: skip
+        if "compare" in args.parts:
+            diffs = {k: compare_with_torch(k, args, ctx)
+                     for k in ("average_gradients", "NaiveDDP", "BucketedDDP")}  # fmt: skip
+            for kind, diff in diffs.items():
+                log.info(f"{kind:17s} max |param - torch DDP| after {args.steps} steps: {diff:.2e}")
+            results["diffs"] = diffs
+        if "timeline" in args.parts:
+            timelines = {
+                "per parameter": timeline(args, ctx, cap_mb=1e-9, overlap=True),
+                "buckets after backward": timeline(args, ctx, args.bucket_cap_mb, overlap=False),
+                "buckets overlapped": timeline(args, ctx, args.bucket_cap_mb, overlap=True),
+            }
+            per_rank = [None] * world_size
+            dist.all_gather_object(per_rank, timelines)
+            results["timelines"] = per_rank
+        if "accumulation" in args.parts:
+            ways = ("right", "backward_only", "never")
+            results["accumulation"] = {how: accumulate(args, ctx, how) for how in ways}
+            # The same three ways with torch's DDP: does its forward decide, too?
+            results["accumulation_torch"] = {how: accumulate(args, ctx, how, "torch DDP")
+                                             for how in ways}  # fmt: skip
+            global_batch = args.batch_size * args.accum * world_size
+            log.info(f"global batch = micro-batch {args.batch_size} x accumulation {args.accum} "
+                     f"x world size {world_size} = {global_batch} samples per step")  # fmt: skip
+        write_results(ctx, args.results, results)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@ Run from the repository root:
 The same MLP is trained on the bundled MNIST subset five ways: float32; autocast
 (bfloat16 on CPU, float16 with a gradient scaler on GPU); and float32 compute
 with the gradients compressed for the all-reduce by torch's communication hooks
-(fp16, bf16, PowerSGD of rank 2). Every all-reduce that goes through
-torch.distributed's Python API is counted in bytes, step by step: PowerSGD
+(fp16, bf16, PowerSGD of rank 2). Every all-reduce, DDP's own and the hooks',
+is counted in bytes, step by step, by the course's collective log: PowerSGD
 sends its first steps uncompressed.
 """
 
@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddp_course.data import load_mnist
 from ddp_course.models import MLP
 from ddp_course.runtime import distributed, get_logger
+from ddp_course.tools.collective_log import CollectiveLog
 from ddp_course.tools.records import write_results
 from ddp_course.training import evaluate
 
@@ -39,25 +40,6 @@ def parse_args():
     p.add_argument("--max-steps", type=int, default=0, help="stop each run early (0: no)")
     p.add_argument("--results", help="write the measurements here as JSON (rank 0)")
     return p.parse_args()
-
-
-class ByteCounter:
-    """Counts calls and bytes of dist.all_reduce while installed (``with counter:``)."""
-
-    def __init__(self):
-        self.calls, self.bytes, self.inner = 0, 0, None
-
-    def __call__(self, tensor, *a, **kw):
-        self.calls += 1
-        self.bytes += tensor.numel() * tensor.element_size()
-        return self.inner(tensor, *a, **kw)
-
-    def __enter__(self):
-        self.inner, dist.all_reduce = dist.all_reduce, self
-        return self
-
-    def __exit__(self, *exc):
-        dist.all_reduce = self.inner
 
 
 def wrap(variant, ctx):
@@ -76,8 +58,7 @@ def wrap(variant, ctx):
             min_compression_rate=1,
         )
         model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-    else:  # torch's default all-reduce, as a Python hook so that its bytes are counted
-        model.register_comm_hook(group, default_hooks.allreduce_hook)
+    # float32 and autocast: DDP's own all-reduce (its C++ reducer; the log sees it too).
     return model
 
 
@@ -92,27 +73,30 @@ def train(variant, ctx, args, images, labels):
     n, b = ctx.world_size, args.batch_size
     per_rank = len(images) // n
     mine = torch.arange(ctx.rank * per_rank, (ctx.rank + 1) * per_rank)
-    steps, bytes_by_step = 0, []
-    with ByteCounter() as counter:
-        for epoch in range(args.epochs):
-            order = mine[torch.randperm(per_rank, generator=torch.Generator().manual_seed(epoch))]
-            for i in range(per_rank // b):
-                idx = order[i * b : (i + 1) * b]
-                x, y = images[idx].to(ctx.device), labels[idx].to(ctx.device)
-                amp = torch.autocast(ctx.device.type, dtype=amp_dtype) if use_amp else None
-                with amp or contextlib.nullcontext():
-                    loss = F.cross_entropy(model(x), y)
-                opt.zero_grad()
-                before = counter.bytes
+    steps, bytes_by_step, calls = 0, [], 0
+    log = CollectiveLog()  # every all-reduce, DDP's own and the hooks'
+    for epoch in range(args.epochs):
+        order = mine[torch.randperm(per_rank, generator=torch.Generator().manual_seed(epoch))]
+        for i in range(per_rank // b):
+            idx = order[i * b : (i + 1) * b]
+            x, y = images[idx].to(ctx.device), labels[idx].to(ctx.device)
+            amp = torch.autocast(ctx.device.type, dtype=amp_dtype) if use_amp else None
+            with amp or contextlib.nullcontext():
+                loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            with log.recording(steps):
                 scaler.scale(loss).backward()
                 scaler.step(opt)
                 scaler.update()
-                bytes_by_step.append(counter.bytes - before)
-                steps += 1
-                if steps == args.max_steps:
-                    break
-    return model.module, {"steps": steps, "all_reduce_calls": counter.calls,
-                          "bytes_per_step": counter.bytes / steps,
+            sent = [c["bytes"] for c in log.calls if c["op"] == "all_reduce"]
+            bytes_by_step.append(sum(sent))
+            calls += len(sent)
+            log.calls.clear()
+            steps += 1
+            if steps == args.max_steps:
+                break
+    return model.module, {"steps": steps, "all_reduce_calls": calls,
+                          "bytes_per_step": sum(bytes_by_step) / steps,
                           "bytes_by_step": bytes_by_step}  # fmt: skip
 
 

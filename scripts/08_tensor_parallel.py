@@ -13,15 +13,13 @@ backward per block. The script asserts that the output, the input gradient
 and every weight gradient (the shards put back together) equal the whole
 stack's in one process, and that PyTorch's parallelize_module with
 ColwiseParallel/RowwiseParallel on a device mesh gives the same. It counts
-the all-reduces of both with CommDebugMode and the bytes of ours by watching
-dist.all_reduce, and writes them to --results (rank 0).
+the all-reduces of both with CommDebugMode and the bytes of ours with the
+course's CollectiveLog, and writes them to --results (rank 0).
 """
 
 import argparse
-import contextlib
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
@@ -31,6 +29,7 @@ from torch.nn.functional import mse_loss
 from ddp_course import comm_cost
 from ddp_course import tensor_parallel as tp
 from ddp_course.runtime import distributed, get_logger
+from ddp_course.tools.collective_log import CollectiveLog
 from ddp_course.tools.records import write_results
 
 
@@ -47,22 +46,6 @@ def parse_args():
 def whole_stack(args):
     torch.manual_seed(0)  # the same weights on every rank
     return nn.Sequential(*[tp.FeedForward(args.d_model, args.hidden) for _ in range(args.blocks)])
-
-
-@contextlib.contextmanager
-def watching_all_reduce(calls):
-    """Append the bytes of every dist.all_reduce made inside the block to ``calls``."""
-    original = dist.all_reduce
-
-    def counted(tensor, *a, **kw):
-        calls.append(tensor.numel() * tensor.element_size())
-        return original(tensor, *a, **kw)
-
-    dist.all_reduce = counted
-    try:
-        yield
-    finally:
-        dist.all_reduce = original
 
 
 def forward_backward(model, x, target):
@@ -110,9 +93,10 @@ def main():
         ours = nn.Sequential(
             *[tp.ParallelFeedForward(b, ctx.rank, n) for b in whole_stack(args)]
         ).to(dev)
-        calls = []
-        with watching_all_reduce(calls):
+        collectives = CollectiveLog()
+        with collectives.recording():
             out, xgrad, our_counts = forward_backward(ours, x, target)
+        calls = [c["bytes"] for c in collectives.calls if c["op"] == "all_reduce"]
         diffs = {"output": max_diff(out, ref_out), "input gradient": max_diff(xgrad, ref_xgrad)}
         got = gathered_grads(ours)
         diffs["weight gradients"] = max(max_diff(got[k], g) for k, g in ref_grads.items())

@@ -41,12 +41,14 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.nn import functional
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp_course import mesh_collectives as mc
 from ddp_course import mesh_layouts as ml
+from ddp_course import mesh_predictions as predict
 from ddp_course.data import lm_batch, shakespeare_bytes
+from ddp_course.mesh_model import MeshModel, token_mean_loss
 from ddp_course.models import TinyGPT, lm_loss
 from ddp_course.runtime import distributed, get_logger, no_tf32
 from ddp_course.tools import flops
+from ddp_course.tools.mesh_counts import count_step, tensor_bytes
 from ddp_course.tools.records import write_results
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -114,16 +116,13 @@ def train(lay, model, batches, ctx, optimizer, lr, compute_dtype=None, counts=No
     With a ``counts`` dict, the second step (the steady one) runs with its collectives
     counted per phase and mesh dimension, into ``counts``."""
     mesh = ml.build_mesh(lay, ctx.device.type)
-    mm = ml.MeshModel(model, lay, mesh, compute_dtype=compute_dtype)  # NEW: a layout, one line
-    buckets = None
-    if counts is not None and lay.data == "ddp":
-        buckets = mc.count_ddp_buckets(mm.module)  # DDP's all-reduces run in C++
+    mm = MeshModel(model, lay, mesh, compute_dtype=compute_dtype)  # NEW: a layout, one line
     opt = optimizer(mm.module.parameters(), lr)
     losses, seconds = [], []
     before = synced_clock(ctx.device)
     for step, batch in enumerate(batches):
         if counts is not None and step == 1:
-            loss, seen = mc.count_step(mm, *my_slice(batch, mesh, lay.dp), buckets)
+            loss, seen = count_step(mm, *my_slice(batch, mesh, lay.dp))
             counts.update(seen)
             losses.append(loss)
         else:
@@ -168,10 +167,10 @@ def memory_row(lay, mm, ctx, config, dtype, batch, lr):
     opt.step()
     params = list(mm.module.parameters())
     states = [t for s in opt.state.values() for k, t in s.items() if k != "step"]
-    held = {"params": ml.tensor_bytes(params), "grads": ml.tensor_bytes(p.grad for p in params),
-            "optimizer": ml.tensor_bytes(states)}  # fmt: skip
+    held = {"params": tensor_bytes(params), "grads": tensor_bytes(p.grad for p in params),
+            "optimizer": tensor_bytes(states)}  # fmt: skip
     whole = new_model(config, dtype, ctx.device, 0)  # the unsplit shapes, for the formula
-    formula = ml.expected_memory_bytes(whole, lay, dtype.itemsize, mm.stage_index)
+    formula = predict.expected_memory_bytes(whole, lay, dtype.itemsize, mm.stage_index)
     return {"layout": lay.name, "rank": ctx.rank, "held": held, "formula": formula}
 
 
@@ -180,13 +179,13 @@ def count_kept_gathered(ctx, config, dtype, batch):
     blocks keep their gathered parameters for backward (fewer all-gathers, more memory)."""
     lay = ml.layout("fsdp x tp", ctx.world_size)
     mesh = ml.build_mesh(lay, ctx.device.type)
-    mm = ml.MeshModel(new_model(config, dtype, ctx.device, 0), lay, mesh,
-                      reshard_after_forward=False)  # fmt: skip
+    mm = MeshModel(new_model(config, dtype, ctx.device, 0), lay, mesh,
+                   reshard_after_forward=False)  # fmt: skip
     for _ in range(2):  # the second step is the steady one
-        _, seen = mc.count_step(mm, *my_slice(batch, mesh, lay.dp))
+        _, seen = count_step(mm, *my_slice(batch, mesh, lay.dp))
         mm.module.zero_grad()
     return {"measured": seen,
-            "formula": mc.expected_collectives(lay, config["n_layers"], False)}  # fmt: skip
+            "formula": predict.expected_collectives(lay, config["n_layers"], False)}  # fmt: skip
 
 
 def checkpoint_round_trip(ctx, config, dtype, batches, lr, folder):
@@ -205,7 +204,7 @@ def checkpoint_round_trip(ctx, config, dtype, batches, lr, folder):
 
     lay = ml.layout("fsdp", ctx.world_size)
     mesh = ml.build_mesh(lay, ctx.device.type)
-    mm4 = ml.MeshModel(new_model(config, dtype, ctx.device, 99), lay, mesh)  # other weights
+    mm4 = MeshModel(new_model(config, dtype, ctx.device, 99), lay, mesh)  # other weights
     opt4 = sgd(mm4.module.parameters(), lr)
     model_sd, optim_sd = get_state_dict(mm4.module, opt4)
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder)
@@ -254,7 +253,7 @@ def loss_normalisation_lab(ctx, config, dtype, batch):
         if way == "mean of rank means":
             loss = functional.cross_entropy(logits.flatten(0, 1), y[mine].flatten())
         else:
-            loss = ml.token_mean_loss(logits, y[mine])
+            loss = token_mean_loss(logits, y[mine])
         loss.backward()
         gaps[way] = max((p.grad - reference[n]).abs().max().item()
                         for n, p in model.module.named_parameters())  # fmt: skip
@@ -276,8 +275,8 @@ def suite(args, ctx, config, dtype, log):
         model = new_model(config, dtype, ctx.device, 0)
         seen = {}
         losses, mm, *_ = train(lay, model, train_batches, ctx, sgd, SUITE_LR, counts=seen)
-        counts[name] = {"measured": seen,
-                        "formula": mc.expected_collectives(lay, config["n_layers"])}  # fmt: skip
+        formula = predict.expected_collectives(lay, config["n_layers"])
+        counts[name] = {"measured": seen, "formula": formula}
         params = mm.full_parameters()
         rows.append({"layout": name, "pp": lay.pp, "dp": lay.dp, "tp": lay.tp,
                      "losses": losses, "gap": max_gap(params, reference),

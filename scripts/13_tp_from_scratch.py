@@ -24,10 +24,10 @@ import torch.distributed as dist
 
 from ddp_course import sequence_parallel as sp
 from ddp_course import tensor_parallel as tp
-from ddp_course.comm_cost import CollectiveLog
 from ddp_course.data import lm_batch, shakespeare_bytes
 from ddp_course.models import Block, TinyGPT, lm_loss
 from ddp_course.runtime import distributed, get_logger
+from ddp_course.tools.collective_log import CollectiveLog
 from ddp_course.tools.records import write_results
 
 BLOCK_TOL, GPT_TOL = 1e-12, 1e-10  # float64: a block's rounding, then 5 steps of it

@@ -42,10 +42,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ddp_course import activation_memory as am
 from ddp_course import recompute_policies, step_budget
-from ddp_course.comm_cost import CollectiveLog
 from ddp_course.data import lm_batch, shakespeare_bytes
 from ddp_course.models import TinyGPT, lm_loss
 from ddp_course.runtime import distributed, get_logger
+from ddp_course.tools.collective_log import CollectiveLog
 from ddp_course.tools.records import write_results
 
 

@@ -11,8 +11,8 @@ all-gather version each compute this rank's attention; the script compares
 the output and the q, k, v gradients with scaled_dot_product_attention on the
 whole sequence in one process (float64 and float32, causal and with packed
 documents), counts the block products each rank computes (by wrapping
-block_attention) and the bytes each rank sends in forward and backward (by
-wrapping dist.batch_isend_irecv and dist.all_to_all_single), shows four
+block_attention) and the bytes each rank sends in forward and backward (with
+the course's CollectiveLog: every send and all-to-all), shows four
 mistakes (document boundaries ignored; a causal mask per chunk; documents
 numbered per rank; torch's deprecated differentiable all_gather), tries
 PyTorch's own context_parallel, measures ring attention in bfloat16
@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from ddp_course import context_parallel as cp
-from ddp_course.comm_cost import CollectiveLog
 from ddp_course.runtime import distributed, get_logger, no_tf32
+from ddp_course.tools.collective_log import CollectiveLog
 from ddp_course.tools.records import write_results
 
 try:  # deprecated by torch; once removed, the notebook skips the all-gather trap
@@ -153,7 +153,9 @@ def counted(ctx, args, fn, layout="contiguous"):
         out = fn(*local, causal=True, layout=layout)
     with sends.recording("backward"):
         (out * mine(grad)).sum().backward()
-    sent = {phase: sum(c["sent"] for c in sends.calls if c["phase"] == phase)
+    # A ring passes blocks by send and receive, Ulysses by all-to-all: the bytes that leave.
+    moved = ("send", "recv", "all_to_all")
+    sent = {phase: sum(c["sent"] for c in sends.calls if c["phase"] == phase and c["op"] in moved)
             for phase in ("forward", "backward")}  # fmt: skip
     return {"bytes": sent["forward"], "backward_bytes": sent["backward"], **log}
 

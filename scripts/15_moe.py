@@ -12,8 +12,8 @@ dist.all_to_all_single (split sizes from the routing, exchanged first), and
 gets the results back with a second all-to-all. The script asserts that the
 output and every gradient equal the one-process MoE with one capacity group
 per rank, that PyTorch's all_to_all_single_autograd gives the same, and that
-the bytes each rank sent to others (counted by wrapping
-dist.all_to_all_single) equal the count from its routing. Part 2: a byte-level
+the bytes each rank sent to others (counted by the course's CollectiveLog)
+equal the count from its routing. Part 2: a byte-level
 language model (embedding, expert-parallel MoE, head) trains on Shakespeare
 for each --aux-weights value, and the script reports the tokens per expert.
 Results go to --results (rank 0).
@@ -27,10 +27,10 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from ddp_course import expert_parallel as ep
-from ddp_course.comm_cost import CollectiveLog
 from ddp_course.data import lm_batch, shakespeare_bytes
 from ddp_course.models import lm_loss
 from ddp_course.runtime import distributed, get_logger
+from ddp_course.tools.collective_log import CollectiveLog
 from ddp_course.tools.records import write_results
 
 

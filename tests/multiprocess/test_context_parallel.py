@@ -2,7 +2,7 @@
 2023), zig-zag placement, DeepSpeed-Ulysses (Jacobs et al. 2023) and the all-gather version,
 causal and with packed documents, float64 and float32, outputs and q/k/v gradients; ring
 attention in bfloat16 with float32 accumulators within one rounding of float64; bytes sent
-counted by wrapping the send and all-to-all calls, forward and backward; each ring pass posted
+counted by the collective log (sends and all-to-alls), forward and backward; each ring pass posted
 before the blocks it overlaps and waited for after them; work per rank counted by wrapping the
 block product; four mistakes caught; bad sizes refused with a ValueError.
 """

@@ -1,5 +1,5 @@
 """Expert-parallel MoE (GShard, Switch Transformer) against one process in float64, on 2 and 4
-gloo ranks; all-to-alls counted by wrapping dist.all_to_all_single and by CommDebugMode, bytes
+gloo ranks; all-to-alls counted by the collective log and by CommDebugMode, bytes
 against the routing; two mistakes caught; PyTorch's all_to_all_single_autograd equal to ours;
 dropless routing (capacity_factor=inf) equal to one process with or without capacity groups.
 """

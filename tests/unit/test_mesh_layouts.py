@@ -8,7 +8,10 @@ import torch.distributed as dist
 from torch.nn import functional
 
 from ddp_course import mesh_layouts as ml
+from ddp_course import mesh_predictions as predict
+from ddp_course.mesh_model import split_stages, token_mean_loss
 from ddp_course.models import TinyGPT
+from ddp_course.tools.mesh_counts import tensor_bytes
 
 TINY = dict(d_model=16, n_heads=4, n_layers=2, seq_len=16)
 
@@ -56,47 +59,55 @@ def test_stages_compose_to_the_whole_model():
     torch.manual_seed(0)
     model = TinyGPT(**{**TINY, "n_layers": 4}).double()
     x = torch.randint(0, 256, (2, 16))
-    stages = ml.split_stages(model, 2)
+    stages = split_stages(model, 2)
     names = [n for s in stages for n, _ in s.named_parameters()]
     assert sorted(names) == sorted(n for n, _ in model.named_parameters())
     torch.testing.assert_close(stages[1](stages[0](x)), model(x), rtol=0, atol=0)
     with pytest.raises(ValueError, match="must divide"):
-        ml.split_stages(model, 3)
+        split_stages(model, 3)
 
 
 def test_memory_formula_on_hand_counted_layouts():
     model = TinyGPT(**TINY)
     whole = sum(p.numel() for p in model.parameters())
-    assert ml.expected_memory_bytes(model, ml.layout("ddp"), 8)["params"] == 8 * whole
-    assert ml.expected_memory_bytes(model, ml.layout("fsdp"), 8)["grads"] == 8 * whole // 4
+    assert predict.expected_memory_bytes(model, ml.layout("ddp"), 8)["params"] == 8 * whole
+    assert predict.expected_memory_bytes(model, ml.layout("fsdp"), 8)["grads"] == 8 * whole // 4
     d, v, t = 16, 256, 16
     # TP keeps whole: embeddings, LayerNorms (2 per block + final), proj and fc2 biases.
     kept = v * d + t * d + 2 * (2 * 2 * d + d + d) + 2 * d
-    assert ml.expected_memory_bytes(model, ml.layout("tp"), 4)["optimizer"] == 2 * 4 * (
+    assert predict.expected_memory_bytes(model, ml.layout("tp"), 4)["optimizer"] == 2 * 4 * (
         kept + (whole - kept) // 4
     )
 
 
 def test_collective_formula_on_the_2_block_model():
-    counts = ml.expected_collectives(ml.layout("fsdp x tp"), 2)
+    counts = predict.expected_collectives(ml.layout("fsdp x tp"), 2)
     # 3 FSDP units (2 blocks + root): gathered for forward; the blocks again for backward
     # (the root stays gathered: PyTorch's default for the root).
     assert counts["forward"] == {"all_gather shard": 3, "all_reduce tp": 4}
     assert counts["backward"] == {"all_gather shard": 2, "reduce_scatter shard": 3,
                                   "all_reduce tp": 9}  # fmt: skip
-    kept = ml.expected_collectives(ml.layout("fsdp x tp"), 2, reshard_after_forward=False)
+    kept = predict.expected_collectives(ml.layout("fsdp x tp"), 2, reshard_after_forward=False)
     assert "all_gather shard" not in kept["backward"]
-    # DDP: one all-reduce per gradient bucket over replicate; HSDP: one per unit.
-    assert ml.expected_collectives(ml.layout("ddp"), 2) == {
-        "forward": {}, "backward": {"all_reduce replicate": 1}, "loss": {}}  # fmt: skip
-    hsdp = ml.expected_collectives(ml.layout("hsdp"), 2)["backward"]
+    # DDP: one all-reduce per gradient bucket over replicate, and the second step starts
+    # with the rebuilt bucket order broadcast; HSDP: one all-reduce per unit.
+    assert predict.expected_collectives(ml.layout("ddp"), 2) == {
+        "forward": {"broadcast replicate": 2}, "backward": {"all_reduce replicate": 1},
+        "loss": {}}  # fmt: skip
+    later = predict.expected_collectives(ml.layout("ddp"), 2, rebuilt_buckets=False)
+    assert later["forward"] == {}
+    hsdp = predict.expected_collectives(ml.layout("hsdp"), 2)["backward"]
     assert hsdp == {"all_gather shard": 2, "reduce_scatter shard": 3, "all_reduce replicate": 3}
-    # The pipeline: one phase; each block gathered per micro-batch and once in backward.
-    pp = ml.expected_collectives(ml.layout("pp x fsdp"), 2, microbatches=2)
+    # The pipeline: one phase; each block gathered per micro-batch and once in backward;
+    # per micro-batch one send and one receive per neighbouring stage.
+    pp = predict.expected_collectives(ml.layout("pp x fsdp"), 2, microbatches=2)
     assert pp == {"step": {"all_gather shard": 4, "reduce_scatter shard": 2,
-                           "all_reduce pp": 1, "all_reduce shard": 1}}  # fmt: skip
+                           "all_reduce pp": 1, "all_reduce shard": 1,
+                           "send pp": 2, "recv pp": 2}}  # fmt: skip
+    middle = predict.expected_collectives(ml.Layout("x", pp=4, dp=1), 4, microbatches=3, stage=1)
+    assert middle["step"]["send pp"] == middle["step"]["recv pp"] == 6
     with pytest.raises(ValueError, match="pp x fsdp only"):
-        ml.expected_collectives(ml.Layout("x", pp=2, tp=2), 2)
+        predict.expected_collectives(ml.Layout("x", pp=2, tp=2), 2)
 
 
 def test_token_mean_loss_in_one_process_is_the_mean_over_real_tokens():
@@ -104,20 +115,20 @@ def test_token_mean_loss_in_one_process_is_the_mean_over_real_tokens():
     y = torch.randint(0, 7, (3, 5))
     y[0, 2:] = -100
     want = functional.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
-    torch.testing.assert_close(ml.token_mean_loss(logits, y), want, rtol=1e-12, atol=0)
+    torch.testing.assert_close(token_mean_loss(logits, y), want, rtol=1e-12, atol=0)
     with pytest.raises(ValueError, match="no token"):
-        ml.token_mean_loss(logits, torch.full_like(y, -100))
+        token_mean_loss(logits, torch.full_like(y, -100))
 
 
 def test_tensor_bytes():
-    assert ml.tensor_bytes([torch.zeros(3, dtype=torch.float64), None, torch.zeros(2)]) == 32
+    assert tensor_bytes([torch.zeros(3, dtype=torch.float64), None, torch.zeros(2)]) == 32
 
 
 def test_stages_keep_the_embeddings_dropout():
     torch.manual_seed(0)
     model = TinyGPT(**{**TINY, "n_layers": 4, "dropout": 0.3}).double()
     x = torch.randint(0, 256, (2, 16))
-    stages = ml.split_stages(model, 2)
+    stages = split_stages(model, 2)
     torch.manual_seed(1)
     want = model(x)
     torch.manual_seed(1)

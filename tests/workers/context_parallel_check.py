@@ -7,8 +7,8 @@ outputs and q/k/v gradients, float64 and float32, causal and with packed
 documents. Nothing asserts in between (every rank must run the same collectives
 even when a check fails): each check records None or what differed. It counts
 the block products each rank computes (by wrapping ``block_attention``) and the
-bytes each rank sends in forward and backward (by wrapping
-``dist.batch_isend_irecv`` and ``dist.all_to_all_single``), and logs the order
+bytes each rank sends in forward and backward (``CollectiveLog``: each send
+and all-to-all), and logs the order
 in which ring attention posts its passes, computes its blocks and waits. Then
 it runs the mistakes the checks must catch: merging without the log-sum-exp
 correction, the causal mask applied per chunk,
@@ -28,8 +28,8 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
 
 from ddp_course import context_parallel as cp
-from ddp_course.comm_cost import CollectiveLog
 from ddp_course.runtime import distributed
+from ddp_course.tools.collective_log import CollectiveLog
 from ddp_course.tools.records import write_results
 
 parser = argparse.ArgumentParser()
@@ -147,8 +147,10 @@ def counted_forward(ctx, fn, layout="contiguous", dtype=torch.float32):
         (out * cp.shard_sequence(grad, ctx.rank, ctx.world_size, layout)).sum().backward()
 
     def sent(phase):
-        return {op: sum(c["sent"] for c in sends.calls if c["op"] == op and c["phase"] == phase)
-                for op in ("p2p", "all_to_all")}  # fmt: skip
+        # The ring's passes are sends and receives (a receive sends 0 bytes).
+        ops = {"p2p": ("send", "recv"), "all_to_all": ("all_to_all",)}
+        return {key: sum(c["sent"] for c in sends.calls if c["op"] in kinds
+                         and c["phase"] == phase) for key, kinds in ops.items()}  # fmt: skip
 
     return {"bytes": sent("forward"), "backward_bytes": sent("backward"), "work": work,
             "local_shape": list(local[0].shape)}  # fmt: skip

@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_course.ddp import BucketedDDP, NaiveDDP, average_gradients
 from ddp_course.runtime import distributed
+from ddp_course.tools.collective_log import CollectiveLog
 from ddp_course.tools.records import write_results
 
 parser = argparse.ArgumentParser()
@@ -51,18 +52,6 @@ class Net(nn.Module):
         return self.head(self.norm(h))
 
 
-class CountingAllReduce:
-    """Wraps dist.all_reduce to count calls, independent of the wrappers' own code."""
-
-    def __init__(self):
-        self.calls = 0
-        self.inner = dist.all_reduce
-
-    def __call__(self, *a, **kw):
-        self.calls += 1
-        return self.inner(*a, **kw)
-
-
 def build(rank: int, norm: bool = False) -> nn.Module:
     torch.manual_seed(0 if rank == 0 else 1000 + rank)  # DDP must broadcast rank 0's
     return Net(norm=norm)
@@ -93,8 +82,8 @@ def grads_equal_across_ranks(model: nn.Module, n: int) -> bool:
 with distributed() as ctx:
     n, rank, b = ctx.world_size, ctx.rank, args.batch_size
     mine = slice(rank * b, (rank + 1) * b)
-    counter = CountingAllReduce()
-    dist.all_reduce = counter  # ddp_course.ddp calls dist.all_reduce through the module
+    # Counts the course's all-reduces from the dispatcher, whatever code issued them.
+    log = CollectiveLog()
     results = {"world_size": n, "cases": {}}
 
     def train(kind: str, cap_mb: float | None, sometimes: bool):
@@ -118,12 +107,14 @@ with distributed() as ctx:
             for m, o, xs, ys in ((reference, opts[0], x, y), (torch_ddp, opts[1], x[mine], y[mine]),
                                  (model, opts[2], x[mine], y[mine])):  # fmt: skip
                 o.zero_grad()
-                before = counter.calls
-                F.cross_entropy(m(xs, use_extra), ys).backward()
-                if kind == "manual" and m is model:
-                    average_gradients(model)
+                # Only the course's model is recorded: torch's DDP all-reduces too.
+                with log.recording(step) if m is model else contextlib.nullcontext():
+                    F.cross_entropy(m(xs, use_extra), ys).backward()
+                    if kind == "manual" and m is model:
+                        average_gradients(model)
                 if m is model:
-                    calls.append(counter.calls - before)
+                    calls.append(sum(c["op"] == "all_reduce" for c in log.calls))
+                    log.calls.clear()
                 o.step()
         info["calls_per_step"] = calls
         if kind == "bucketed":

@@ -6,8 +6,8 @@ one global batch. The one-process reference runs the whole batch with
 without asserting in between (so every rank always runs the same
 collectives): the output, the input gradient, the router gradient (summed
 over ranks), every local expert's gradients, the routing statistics, and
-every ``dist.all_to_all_single`` call (by wrapping it): phase, rows per rank,
-bytes. Variants: ``as_written``; ``rows_out_of_order`` (the dispatched rows
+every all-to-all (``CollectiveLog``): phase, rows per rank, bytes.
+Variants: ``as_written``; ``rows_out_of_order`` (the dispatched rows
 no longer in the order the splits describe); ``return_without_autograd``
 (the return all-to-all done with a plain collective, so no gradient goes
 back through it); ``torch`` (PyTorch's ``all_to_all_single_autograd`` as
@@ -24,8 +24,8 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor.debug import CommDebugMode
 
 from ddp_course import expert_parallel as ep
-from ddp_course.comm_cost import CollectiveLog
 from ddp_course.runtime import distributed
+from ddp_course.tools.collective_log import CollectiveLog
 from ddp_course.tools.records import write_results
 
 parser = argparse.ArgumentParser()

@@ -20,6 +20,7 @@ from torch.distributed.fsdp import fully_shard
 
 from ddp_course import mesh_layouts as ml
 from ddp_course.data import lm_batch, shakespeare_bytes
+from ddp_course.mesh_model import MeshModel
 from ddp_course.models import TinyGPT, lm_loss
 from ddp_course.runtime import distributed
 from ddp_course.tools.records import write_results
@@ -56,7 +57,7 @@ def reference(device, data):
     return {n: p.detach() for n, p in model.named_parameters()}
 
 
-class FsdpOverTp(ml.MeshModel):
+class FsdpOverTp(MeshModel):
     """The mistake: fully_shard over the ``tp`` dimension (ranks given the same slice)."""
 
     def __init__(self, model, lay, mesh):
@@ -72,11 +73,7 @@ def train(ctx, data, variant):
     lay = ml.layout("fsdp x tp", ctx.world_size)
     mesh = ml.build_mesh(lay, ctx.device.type)
     model = fresh_model(ctx.device)
-    mm = (
-        FsdpOverTp(model, lay, mesh)
-        if variant == "fsdp over tp"
-        else ml.MeshModel(model, lay, mesh)
-    )
+    mm = FsdpOverTp(model, lay, mesh) if variant == "fsdp over tp" else MeshModel(model, lay, mesh)
     opt = torch.optim.SGD(mm.module.parameters(), lr=LR, momentum=MOMENTUM)
     r = mesh.get_local_rank("tp") if variant == "data by tp coordinate" else ml.data_rank(mesh)
     per = GLOBAL_BATCH // lay.dp

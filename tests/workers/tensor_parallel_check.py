@@ -4,8 +4,8 @@ Every rank builds the same two-block MLP (same seed) as the single-process
 reference and splits it with ``ParallelFeedForward``. It measures, without asserting
 in between (so that every rank always runs the same collectives, even when a
 check fails): the output, the input gradient, every gathered weight gradient,
-the gathered weights after SGD steps, and each ``dist.all_reduce`` call (by
-wrapping ``torch.distributed.all_reduce``), per phase. It does this three
+the gathered weights after SGD steps, and every collective, per phase
+(``CollectiveLog``, which reads them from the dispatcher). It does this three
 times: as written, with f's backward lacking its all-reduce, and with the
 row-parallel bias added on every rank before the all-reduce. Then it splits
 the same MLP with ``parallelize_module`` (ColwiseParallel, RowwiseParallel)
@@ -31,6 +31,7 @@ from torch.nn.functional import mse_loss
 
 from ddp_course import tensor_parallel as tp
 from ddp_course.runtime import distributed
+from ddp_course.tools.collective_log import CollectiveLog
 from ddp_course.tools.records import write_results
 
 parser = argparse.ArgumentParser()
@@ -90,32 +91,6 @@ def gathered_weights(par):
     return out
 
 
-class AllReduceLog:
-    """Wraps ``torch.distributed.all_reduce``: every call's phase, bytes, dtype and op."""
-
-    def __init__(self):
-        self.calls, self.phase = [], None
-
-    @contextlib.contextmanager
-    def recording(self, phase):
-        original = dist.all_reduce
-
-        def wrapper(tensor, *a, **kw):
-            nbytes = tensor.numel() * tensor.element_size()
-            self.calls.append({"phase": phase, "bytes": nbytes, "shape": list(tensor.shape),
-                               "dtype": str(tensor.dtype)})  # fmt: skip
-            return original(tensor, *a, **kw)
-
-        dist.all_reduce = wrapper
-        try:
-            yield
-        finally:
-            dist.all_reduce = original
-
-    def count(self, phase):
-        return sum(c["phase"] == phase for c in self.calls)
-
-
 @contextlib.contextmanager
 def broken(variant):
     """The two mistakes the checks must catch, patched in for the duration."""
@@ -145,7 +120,7 @@ def check(ctx, variant):
     """Every comparison with one process; a dict of check name -> None or what differed."""
     ref = reference_model()
     par = parallel_model(ref, ctx)
-    log = AllReduceLog()
+    log = CollectiveLog()
     x, target = batch(0)
     x_ref, x_par = x.clone().requires_grad_(), x.clone().requires_grad_()
     out_ref = ref(x_ref)
@@ -175,7 +150,8 @@ def check(ctx, variant):
     for name, q in ref.named_parameters():
         fails[f"after {args.steps + 1} SGD steps {name}"] = mismatch(weights[name], q.detach())
     expected_bytes = args.batch_size * args.d_model * x.element_size()
-    counts = {"forward": log.count("forward"), "backward": log.count("backward")}
+    counts = {phase: sum(c["phase"] == phase and c["op"] == "all_reduce" for c in log.calls)
+              for phase in ("forward", "backward")}  # fmt: skip
     fails["one all-reduce per block in forward"] = (
         None if counts["forward"] == args.blocks else f"{counts['forward']} in forward"
     )

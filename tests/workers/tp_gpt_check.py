@@ -8,7 +8,7 @@ collectives even when a check fails:
 - one block, forward and backward, tensor-parallel (TP) and with sequence
   parallelism (SP): output, input gradient, every gathered parameter
   gradient against the one-process block; the collectives of each phase
-  (by wrapping ``torch.distributed``'s functions, ``CollectiveLog``);
+  (``CollectiveLog``, from the dispatcher);
 - the whole TinyGPT trained ``--steps`` SGD steps on the same batch: the
   gathered parameters against one process, and the replicated parameters
   across the tensor-parallel ranks; the collectives of one step;
@@ -28,9 +28,9 @@ from torch.nn import functional
 
 from ddp_course import sequence_parallel as sp
 from ddp_course import tensor_parallel as tp
-from ddp_course.comm_cost import CollectiveLog
 from ddp_course.models import Block, TinyGPT, lm_loss
 from ddp_course.runtime import distributed
+from ddp_course.tools.collective_log import CollectiveLog
 from ddp_course.tools.records import write_results
 
 parser = argparse.ArgumentParser()

@@ -1,0 +1,151 @@
+"""What each layout of TinyGPT should hold and run, from the layout alone (notebook 13).
+
+:func:`expected_memory_bytes` gives the bytes of parameters, gradients and AdamW state one
+rank holds (the ZeRO rule), :func:`expected_collectives` how many all-gathers,
+reduce-scatters, all-reduces, broadcasts, sends and receives one training step makes on
+each mesh dimension. Notebook 13 checks both against what a step measures
+(:mod:`ddp_course.tools.mesh_counts`).
+"""
+
+from __future__ import annotations
+
+from .mesh_layouts import Layout
+from .mesh_model import split_stages
+from .models import TinyGPT
+
+__all__ = ["expected_collectives", "expected_memory_bytes"]
+
+
+def expected_collectives(
+    lay, n_layers: int, reshard_after_forward: bool = True, microbatches: int = 2,
+    ddp_buckets: int = 1, rebuilt_buckets: bool = True, stage: int = 0,
+) -> dict:  # fmt: skip
+    """Collectives of one training step of TinyGPT per mesh dimension, from the layout.
+
+    Per step, with ``L`` blocks (``L/pp`` per pipeline stage), FSDP2 units =
+    the blocks and the root (embeddings, final LayerNorm, head, or the stage),
+    and tensor-parallel plans as in :func:`ddp_course.mesh_layouts.apply_tensor_parallel`
+    (loss on vocabulary shards):
+
+    - ``shard`` (FSDP2, HSDP's shard groups): one all-gather per unit in forward;
+      in backward one again per block when ``reshard_after_forward`` (the root
+      keeps its gathered parameters: PyTorch's default for the root, since
+      backward starts with it); one reduce-scatter of gradients per unit;
+    - ``replicate`` (HSDP): one all-reduce of each unit's gradient shard
+      across the replicas, in backward; (DDP): one all-reduce per gradient
+      bucket (``ddp_buckets``: the first holds up to 1 MiB, the next
+      ``bucket_cap_mb`` = 25 MiB each; TinyGPT fits in one). After the first
+      backward DDP rebuilds its buckets in the order the gradients arrived and
+      tells every rank that order: with ``rebuilt_buckets`` (the second step)
+      its forward starts with 2 broadcasts (the bucket sizes and the parameter
+      indices; PyTorch's ``_sync_bucket_indices``);
+    - ``tp`` without sequence parallelism: forward, one all-reduce per
+      row-parallel layer (proj, fc2): ``2L``; backward, one all-reduce of the
+      input gradient per column-parallel layer whose input is replicated (q, k,
+      v, fc1, each on its own: ``4L``, Megatron-LM's fused f would make it
+      ``2L``) and the head: ``4L+1``; the vocabulary-parallel cross-entropy: 3
+      all-reduces (the max, the sum of exponentials, the target's logit);
+    - ``tp`` with sequence parallelism: all-reduces become a reduce-scatter
+      (forward, proj and fc2: ``2L``) and an all-gather (forward, before
+      attention, the MLP and the head: ``2L+1``); backward swaps them (``2L+1``
+      reduce-scatters, ``2L+1`` all-gathers: ``2L`` conjugates and one for the
+      first block's sequence slice), and the LayerNorms' replicated weights and
+      biases get their partial gradients all-reduced: ``2(2L+1)``;
+    - ``pp`` (GPipe over ``microbatches``, FSDP inside each stage): the step is
+      one phase, ``"step"``. FSDP2 gathers each block again for every
+      micro-batch's forward (``microbatches`` all-gathers per block when
+      ``reshard_after_forward``), the root once; in backward PyTorch's stage
+      keeps the gathered blocks until the last micro-batch
+      (``set_reshard_after_backward(last)``) and reduce-scatters only after it
+      (``set_requires_gradient_sync(last)``): one more all-gather per block,
+      one reduce-scatter per unit. ``MeshModel`` then shares the loss: one
+      all-reduce on ``pp`` and one on ``shard``. Each micro-batch's activations
+      go to the next stage and their gradients come back, one send and one
+      receive each: a ``stage`` that is not the last sends ``microbatches``
+      activations and receives as many gradients, one that is not the first
+      receives the activations and sends the gradients.
+
+    Returns:
+        ``{"forward": {...}, "backward": {...}, "loss": {...}}`` (``{"step": {...}}``
+        with pipeline stages), each ``{"<collective> <dimension>": calls}``; counts
+        of 0 left out.
+    """
+    fwd, bwd, loss = {}, {}, {}
+    layers = n_layers // lay.pp
+    replicate, shard = lay.shape[1], lay.shape[2]
+    if lay.data == "ddp" and replicate > 1:
+        bwd["all_reduce replicate"] = ddp_buckets
+        if rebuilt_buckets:
+            fwd["broadcast replicate"] = 2
+    if lay.data in ("fsdp", "hsdp") and shard > 1:
+        units = layers + 1
+        fwd["all_gather shard"] = units
+        if reshard_after_forward:
+            bwd["all_gather shard"] = layers
+        bwd["reduce_scatter shard"] = units
+    if lay.data == "hsdp" and replicate > 1:
+        bwd["all_reduce replicate"] = layers + 1
+    if lay.tp > 1:
+        loss["all_reduce tp"] = 3
+        if lay.sequence_parallel:
+            fwd["all_gather tp"] = 2 * layers + 1
+            fwd["reduce_scatter tp"] = 2 * layers
+            bwd["all_gather tp"] = 2 * layers + 1
+            bwd["reduce_scatter tp"] = 2 * layers + 1
+            bwd["all_reduce tp"] = 2 * (2 * layers + 1)
+        else:
+            fwd["all_reduce tp"] = 2 * layers
+            bwd["all_reduce tp"] = 4 * layers + 1
+    if lay.pp == 1:
+        return {"forward": fwd, "backward": bwd, "loss": loss}
+    if lay.tp > 1 or lay.data != "fsdp":
+        raise ValueError("the pipeline formula covers pp x fsdp only")
+    neighbours = (stage < lay.pp - 1) + (stage > 0)
+    step = {"all_reduce pp": 1, "send pp": microbatches * neighbours,
+            "recv pp": microbatches * neighbours}  # fmt: skip
+    if shard > 1:
+        # The root once; with resharding, each block per micro-batch and once in backward.
+        gathers = 1 + (microbatches + 1) * layers if reshard_after_forward else layers + 1
+        step["all_gather shard"] = gathers
+        step["reduce_scatter shard"] = layers + 1
+        step["all_reduce shard"] = 1
+    return {"step": step}
+
+
+def expected_memory_bytes(model: TinyGPT, lay: Layout, element_size: int, stage: int = 0) -> dict:
+    """Bytes of parameters, gradients and AdamW state one rank holds, from the layout.
+
+    The ZeRO rule (Rajbhandari et al. 2020, section 5): DDP divides nothing;
+    FSDP divides parameters, gradients and optimizer state by the ``shard``
+    size (HSDP: by ``shard`` only, the replicas hold copies); tensor
+    parallelism divides the split weights (q, k, v, proj, fc1, fc2 weights,
+    the biases of q, k, v, fc1, the head) by ``tp`` and keeps the rest whole;
+    the pipeline keeps only its stage's parameters. AdamW keeps two states
+    (``exp_avg``, ``exp_avg_sq``) of each parameter's shape; its scalar
+    ``step`` counters are left out.
+
+    Args:
+        model: the whole (unsplit) TinyGPT.
+        lay: the layout.
+        element_size: bytes per element (8 for float64).
+        stage: this rank's pipeline stage.
+
+    Returns:
+        ``{"params": bytes, "grads": bytes, "optimizer": bytes}``.
+    """
+    shard = lay.shape[2]
+    keep = split_stages(model, lay.pp)[stage] if lay.pp > 1 else model
+    split = ("attn.q.", "attn.k.", "attn.v.", "mlp.fc1.")
+    params = 0
+    for name, p in keep.named_parameters():
+        n = p.numel()
+        tp_split = (
+            name.startswith("head.")
+            or (".attn." in name or ".mlp." in name)
+            and (any(s in name for s in split) or name.endswith("weight"))
+        )
+        if tp_split:
+            n //= lay.tp
+        params += n // shard
+    b = params * element_size
+    return {"params": b, "grads": b, "optimizer": 2 * b}
