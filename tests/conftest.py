@@ -21,13 +21,12 @@ def workers() -> pathlib.Path:
 
 
 # Notebooks whose assertions are about bytes, parameters and orders, never about
-# time, and whose jobs have no short timeouts: they may run beside other tests (13-15
-# print step times but assert none). The others measure time (01, 02, 08, 10) or turn
-# hangs into errors with timeouts of a few seconds (00, 03, 06, 11, 12) and run alone.
-NOTEBOOKS_BESIDE_OTHERS = frozenset({
-    "04_allreduce", "05_ddp", "07_ddp_internals", "09_sharding",
-    "13_gpt_mesh", "14_activation_memory", "15_sequence_and_experts",
-})  # fmt: skip
+# time, and whose jobs have no short timeouts: they may run beside other tests.
+# The others measure time (01, 02, 08, 10) or turn hangs into errors with timeouts
+# of a few seconds (00, 03, 06, 11, 12) and run alone. 13-15 could run beside others
+# too, but they keep both cores busy: beside another test each took twice as long
+# (a fresh clone, 2 cores), which saved no time.
+NOTEBOOKS_BESIDE_OTHERS = frozenset({"04_allreduce", "05_ddp", "07_ddp_internals", "09_sharding"})
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -239,7 +239,9 @@ def torchrun(
             sys.executable, "-m", "ddp_course.harness.loopback", "--tmpdir", str(agent_tmp),
             f"--nproc_per_node={nproc}",
             "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+            # Port 0: the agent binds a free port itself, so no other job can take the
+            # port between a check and the bind (torchrun --standalone does the same).
+            "--rdzv-endpoint=127.0.0.1:0",
             *(["--local-addr=127.0.0.1"] if single_node else []),
             f"--log-dir={logs_path}",
             "--tee=3",
