@@ -45,10 +45,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .ddp import broadcast_state, check_same_shapes, require_group
 from .partition import check_rank, partition
+from .tools.collective_log import CollectiveLog
 
 # PyTorch 2.13 renamed all_gather_into_tensor and reduce_scatter_tensor (same
 # arguments); the course supports torch >= 2.11, which may have only the old names.
@@ -170,29 +170,19 @@ class CommLog:
         self.calls.clear()
 
 
-def _tensors(arg: Any) -> list[torch.Tensor]:
-    # A c10d op's tensor argument: a tensor, a list of them, or a list of lists.
-    if isinstance(arg, torch.Tensor):
-        return [arg]
-    if isinstance(arg, (list, tuple)):
-        return [t for a in arg for t in _tensors(a)]
-    return []
+class CollectiveBytes:
+    """Every collective run while active, with its tensor's bytes: ``(op, bytes)`` pairs.
 
+    A counter that does not trust the code it checks: a view of the course's one
+    collective log (:class:`ddp_course.tools.collective_log.CollectiveLog`),
+    which sits in PyTorch's dispatcher (as ``torch.distributed.tensor.debug.CommDebugMode``
+    does), so it sees the ``c10d`` operations DDP's reducer, ``ZeroRedundancyOptimizer``,
+    FSDP2 and :class:`ZeRO` really call, from Python or C++, and reads the bytes off the
+    tensors handed to them: padding included, no bookkeeping.
 
-class CollectiveBytes(TorchDispatchMode):
-    """Every ``torch.distributed`` collective run while active, with its tensor's bytes.
-
-    A counter that does not trust the code it checks: it sits in PyTorch's
-    dispatcher (as ``torch.distributed.tensor.debug.CommDebugMode`` does), so
-    it sees the ``c10d`` operations DDP's reducer, ``ZeroRedundancyOptimizer``,
-    FSDP2 and :class:`ZeRO` really call, from Python or C++, and reads the
-    bytes off the tensors handed to them: padding included, no bookkeeping.
-    Functional collectives (``_c10d_functional``, used by DTensor) are not seen.
-
-    Bytes of one call are the full (unsharded) tensor's, as :class:`CommLog`
-    counts them: the tensor of an all-reduce or a broadcast, the output of an
-    all-gather, the input of a reduce-scatter. Other collectives are recorded
-    under their c10d name with the bytes of their first tensor argument.
+    Bytes of one call are the full (unsharded) tensor's, as :class:`CommLog` counts
+    them: the tensor of an all-reduce or a broadcast, the output of an all-gather, the
+    input of a reduce-scatter. Sends, receives and barriers are left out.
 
     Use::
 
@@ -202,38 +192,28 @@ class CollectiveBytes(TorchDispatchMode):
         sent.calls        # [("all_reduce", 4096), ("broadcast", 1024), ...]
         sent.volume_bytes
 
-    Attributes:
-        calls: ``(op, bytes)`` in call order; op is ``"all_reduce"``,
-            ``"broadcast"``, ``"all_gather"``, ``"reduce_scatter"`` or the
-            c10d name of another collective.
+    Raises:
+        RuntimeError: entered without a process group.
     """
 
-    # c10d op -> (name, index of the argument whose bytes count)
-    OPS = {
-        "allreduce_": ("all_reduce", 0),
-        "allreduce_coalesced_": ("all_reduce", 0),
-        "broadcast_": ("broadcast", 0),
-        "_allgather_base_": ("all_gather", 0),
-        "allgather_": ("all_gather", 0),
-        "allgather_into_tensor_coalesced_": ("all_gather", 0),
-        "_reduce_scatter_base_": ("reduce_scatter", 1),
-        "reduce_scatter_": ("reduce_scatter", 1),
-        "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
-    }
-    # recorded under their own name (barriers, send and recv are not recorded)
-    OTHER = frozenset({"alltoall_", "alltoall_base_", "gather_", "scatter_", "reduce_"})
-
     def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple[str, int]] = []
+        self.log = CollectiveLog()
+        self._recording = None
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        name = func._overloadpacket.__name__ if func.namespace == "c10d" else None
-        if name in self.OPS or name in self.OTHER:
-            op, index = self.OPS.get(name, (name, 0))
-            tensors = _tensors(args[index]) if len(args) > index else []
-            self.calls.append((op, sum(t.numel() * t.element_size() for t in tensors)))
-        return func(*args, **(kwargs or {}))
+    def __enter__(self) -> CollectiveBytes:
+        self._recording = self.log.recording()
+        self._recording.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._recording.__exit__(*exc)
+
+    @property
+    def calls(self) -> list[tuple[str, int]]:
+        """``(op, bytes)`` in call order; op is ``"all_reduce"``, ``"broadcast"``,
+        ``"all_gather"``, ``"reduce_scatter"`` or another of the log's ops."""
+        return [(c["op"], c["bytes"]) for c in self.log.calls
+                if c["op"] not in ("send", "recv", "barrier")]  # fmt: skip
 
     def bytes_of(self, op: str) -> int:
         """Bytes of every call of ``op`` (e.g. ``"broadcast"``) added up."""
