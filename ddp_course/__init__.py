@@ -24,7 +24,7 @@ parallelisms), ``mesh_model`` (a layout's training step) and ``mesh_predictions`
 
 Two subpackages hold the rest: ``tools`` measures and diagnoses a job
 (``collective_log``, ``bench``, ``scaling``, ``trace``, ``monitor``, ``debug``,
-``flops``); ``harness`` runs the course
+``flops``, ``saved_tensors``, ``op_counts``, ``peak_memory``); ``harness`` runs the course
 (``launch`` and its parts, ``restarts``, ``multinode``, ``netns``, ``slurm``, the
 command line ``cli``, ``gpu_check`` and the notebooks' ``notebook`` helpers).
 """

@@ -1,12 +1,12 @@
-"""The activations of one training step: bytes saved for backward, measured and predicted.
+"""The activations of one training step: the bytes saved for backward, predicted.
 
 A training step holds four kinds of bytes: the parameters, their gradients, the
 optimizer's state and the activations, the tensors that forward saves for
-backward. This module measures the activations on any device with
-``torch.autograd.graph.saved_tensors_hooks`` (:class:`SavedTensorCounter`),
-predicts them per Transformer block term by term (:func:`block_terms`, adapted
-from Korthikanti et al. 2022, section 4) and for a whole model under each
-checkpointing policy (:func:`predict_activations`). The whole step (state,
+backward. This module predicts the activations per Transformer block term by
+term (:func:`block_terms`, adapted from Korthikanti et al. 2022, section 4) and
+for a whole model under each checkpointing policy (:func:`predict_activations`);
+``ddp_course.tools.saved_tensors.SavedTensorCounter`` measures them on any device
+with ``torch.autograd.graph.saved_tensors_hooks``. The whole step (state,
 activations, the budget and the micro-batch that fits it) is
 :mod:`ddp_course.step_budget`.
 
@@ -18,7 +18,7 @@ of TinyGPT's keyword arguments (``vocab_size``, ``d_model``, ``n_heads``,
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 import torch
 
@@ -27,7 +27,6 @@ from ddp_course.recompute_policies import POLICIES
 
 __all__ = [
     "POLICIES",
-    "SavedTensorCounter",
     "Term",
     "block_bytes",
     "block_terms",
@@ -37,80 +36,6 @@ __all__ = [
     "parameter_count",
     "predict_activations",
 ]
-
-
-class SavedTensorCounter:
-    """Count the bytes that autograd saves for backward inside a ``with`` block.
-
-    Every tensor an operation saves passes through the pack hook of
-    ``torch.autograd.graph.saved_tensors_hooks``
-    (https://pytorch.org/docs/stable/autograd.html#saved-tensors-hooks). A
-    tensor and its views share one storage (the 2-D view ``x.view(-1, d)``
-    that ``nn.Linear`` saves is the same memory as ``x``), so each storage is
-    counted once, at its full size ``untyped_storage().nbytes()``. Storages of
-    the given parameters are counted apart: a weight saved for backward is
-    memory the model holds anyway, not an activation.
-
-    A storage seen in one ``with`` block stays counted until :meth:`reset`.
-    Tensors saved inside a checkpointed region of
-    ``torch.utils.checkpoint`` (which installs hooks of its own) are not seen.
-
-    Args:
-        parameters: the model's parameters (their storages are not activations).
-        count_views_once: ``False`` counts every saved tensor at its own size
-            (``numel * element_size``), views included: the wrong count this
-            lesson shows once.
-
-    Attributes:
-        activation_bytes: bytes of the distinct non-parameter storages saved.
-        parameter_bytes: bytes of the distinct parameter storages saved.
-        saved: one ``(shape, dtype, bytes, kind)`` tuple per saved tensor, in
-            order; ``kind`` is ``"activation"``, ``"view"`` (a storage seen
-            before) or ``"parameter"``.
-    """
-
-    def __init__(self, parameters: Iterable[torch.Tensor] = (), count_views_once: bool = True):
-        self.count_views_once = count_views_once
-        self._parameter_storages = {p.untyped_storage().data_ptr() for p in parameters}
-        self._hooks = None
-        self.reset()
-
-    def reset(self) -> None:
-        """Forget what was counted."""
-        self.activation_bytes = 0
-        self.parameter_bytes = 0
-        self.saved: list[tuple[tuple[int, ...], torch.dtype, int, str]] = []
-        self._seen: set[int] = set()
-
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        # A held reference keeps the storage alive until backward, so its address is
-        # not reused by another tensor of the same forward and identifies it.
-        key = storage.data_ptr()
-        if key in self._parameter_storages:
-            kind, size = "parameter", storage.nbytes()
-            if key not in self._seen:
-                self.parameter_bytes += size
-        elif not self.count_views_once:
-            kind, size = "activation", tensor.numel() * tensor.element_size()
-            self.activation_bytes += size
-        elif key in self._seen:
-            kind, size = "view", 0
-        else:
-            kind, size = "activation", storage.nbytes()
-            self.activation_bytes += size
-        self._seen.add(key)
-        self.saved.append((tuple(tensor.shape), tensor.dtype, size, kind))
-        return tensor
-
-    def __enter__(self) -> SavedTensorCounter:
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._hooks.__exit__(*exc)
-        self._hooks = None
 
 
 @dataclasses.dataclass(frozen=True)

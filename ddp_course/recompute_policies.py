@@ -16,7 +16,8 @@ matmul outputs, the ``a s^2 b`` scores included, and recomputes the
 element-wise operations). Korthikanti's selective recomputation and op-level
 SAC are opposite choices: the first recomputes the attention matmuls to drop
 the quadratic tensors, the second keeps every matmul output and recomputes the
-cheap rest. :class:`OpCounter` counts what runs again in backward.
+cheap rest. ``ddp_course.tools.op_counts.OpCounter`` counts what runs again in
+backward.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from ddp_course.activation_checkpoint import checkpoint, checkpoint_with_hooks
@@ -37,7 +37,6 @@ __all__ = [
     "CheckpointedCore",
     "IMPLS",
     "MATMULS",
-    "OpCounter",
     "POLICIES",
     "SelectiveRecord",
     "apply_policy",
@@ -58,7 +57,8 @@ class SelectiveRecord:
             element_size`` of each output tensor of an operation the policy saves).
         saved_ops: names of the operations saved, in order.
         recompute_ops: names of the operations marked for recomputation in
-            forward (run again in backward; :class:`OpCounter` sees them there).
+            forward (run again in backward;
+            ``ddp_course.tools.op_counts.OpCounter`` sees them there).
     """
 
     saved_bytes: int = 0
@@ -113,7 +113,7 @@ def selective_checkpoint(module: nn.Module, x: torch.Tensor, policy: Callable) -
 
     torch 2.15 announces (FutureWarning) that selective checkpointing will pass what
     it saves through the active ``saved_tensors_hooks``; a hook that counts saved
-    bytes (:class:`ddp_course.activation_memory.SavedTensorCounter`) would then count
+    bytes (``ddp_course.tools.saved_tensors.SavedTensorCounter``) would then count
     them twice. ``respect_saved_tensors_hooks=False`` keeps today's behaviour where
     ``checkpoint`` has the argument (2.15 on); older torch has none and behaves so.
     """
@@ -261,25 +261,3 @@ def apply_policy(model: nn.Module, policy: str, impl: str = "ours") -> Selective
                     if isinstance(child, nn.Linear):
                         setattr(parent, name, CheckpointWrapper(child, impl))
     return record
-
-
-class OpCounter(TorchDispatchMode):
-    """Count the ATen operations that run inside a ``with`` block, by name.
-
-    Used around ``loss.backward()``: forward operations seen there (``aten.gelu``,
-    ``aten.addmm``...) are recomputations. A ``TorchDispatchMode``
-    (https://pytorch.org/docs/stable/notes/extending.html#extending-all-torch-api-with-modes)
-    sees every operation below autograd.
-
-    Attributes:
-        counts: ``{"aten.gelu.default": 3, ...}``.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.counts: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func)
-        self.counts[name] = self.counts.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))

@@ -46,9 +46,7 @@ embeddings, final LayerNorm and head replicated.
 
 from __future__ import annotations
 
-import contextlib
 import copy
-from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -78,7 +76,6 @@ __all__ = [
     "reduce_scatter_to_sequence",
     "dropout_masks",
     "region_seed",
-    "saved_activation_bytes",
     "saved_block_bytes_formula",
     "scatter_to_sequence",
     "sequence_parallel_parameters",
@@ -515,46 +512,6 @@ def gather_full_state(
     return full
 
 
-@contextlib.contextmanager
-def saved_activation_bytes(modules: list[nn.Module], out: dict) -> Iterator[None]:
-    """Add to ``out["bytes"]`` the bytes autograd saves for backward inside ``modules``' forward.
-
-    Counts every tensor packed by ``torch.autograd.graph.saved_tensors_hooks``
-    while one of ``modules`` runs its forward, except the modules'
-    parameters (weights are not activations), each storage once (q, k and v
-    saving the same input keep one tensor alive, not three). For a LayerNorm
-    over ``[B, t, d]``: its input ``B t d`` elements plus its mean and
-    reciprocal standard deviation, ``B t`` each. ``out["shapes"]`` gets the
-    shape of each counted tensor, a list.
-    """
-    depth = [0]
-    param_ptrs = {p.data_ptr() for m in modules for p in m.parameters()}
-    seen = set()
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        key = (t.data_ptr(), t.numel(), t.dtype)
-        if depth[0] and t.data_ptr() not in param_ptrs and key not in seen:
-            seen.add(key)
-            out["bytes"] = out.get("bytes", 0) + t.numel() * t.element_size()
-            out.setdefault("shapes", []).append(list(t.shape))
-        return t
-
-    def enter(*_):
-        depth[0] += 1
-
-    def leave(*_):
-        depth[0] -= 1
-
-    handles = [h for m in modules for h in (m.register_forward_pre_hook(enter),
-                                            m.register_forward_hook(leave))]  # fmt: skip
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            yield
-    finally:
-        for h in handles:
-            h.remove()
-
-
 def saved_block_bytes_formula(
     batch: int, seq: int, d_model: int, heads: int, world_size: int,
     sequence_parallel: bool, element_size: int = 8, mask_size: int | None = None,
@@ -583,7 +540,8 @@ def saved_block_bytes_formula(
             default is ``element_size``.
 
     Returns:
-        Bytes per rank.
+        Bytes per rank, to compare with what
+        ``ddp_course.tools.saved_tensors.saved_activation_bytes`` counts.
     """
     e, t = element_size, world_size
     m = e if mask_size is None else mask_size

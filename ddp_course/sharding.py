@@ -18,9 +18,9 @@ one kind of state more at each stage:
 :func:`state_bytes_per_rank` gives the paper's memory per rank;
 :func:`ddp_course.partition.partition` (``"padded"``) the piece of a flat tensor a
 rank owns; :class:`ZeRO`
-wraps a model and an optimizer class and trains at any stage;
-:func:`held_bytes` counts the state a rank holds and :class:`CollectiveBytes`
-the bytes torch's collectives received, to check the formulas and counters.
+wraps a model and an optimizer class and trains at any stage, logging its collectives
+in a :class:`CommLog`. The bytes a rank really holds and its collectives really
+moved, which check both, are counted by :mod:`ddp_course.tools.zero_counts`.
 
 Every parameter is sharded on its own, as FSDP2 does, but cut differently:
 flattened, padded to a multiple of N for the collectives, rank r owning elements
@@ -48,7 +48,6 @@ from torch import nn
 
 from .ddp import broadcast_state, check_same_shapes, require_group
 from .partition import check_rank, partition
-from .tools.collective_log import CollectiveLog
 
 # PyTorch 2.13 renamed all_gather_into_tensor and reduce_scatter_tensor (same
 # arguments); the course supports torch >= 2.11, which may have only the old names.
@@ -60,11 +59,9 @@ __all__ = [
     "FP32_SGD",
     "MIXED_ADAM",
     "BytesPerValue",
-    "CollectiveBytes",
     "CommLog",
     "StateBytes",
     "ZeRO",
-    "held_bytes",
     "state_bytes_per_rank",
 ]
 
@@ -168,65 +165,6 @@ class CommLog:
     def clear(self) -> None:
         """Forget the calls logged so far (e.g. at the start of a step)."""
         self.calls.clear()
-
-
-class CollectiveBytes:
-    """Every collective run while active, with its tensor's bytes: ``(op, bytes)`` pairs.
-
-    A counter that does not trust the code it checks: a view of the course's one
-    collective log (:class:`ddp_course.tools.collective_log.CollectiveLog`),
-    which sits in PyTorch's dispatcher (as ``torch.distributed.tensor.debug.CommDebugMode``
-    does), so it sees the ``c10d`` operations DDP's reducer, ``ZeroRedundancyOptimizer``,
-    FSDP2 and :class:`ZeRO` really call, from Python or C++, and reads the bytes off the
-    tensors handed to them: padding included, no bookkeeping.
-
-    Bytes of one call are the full (unsharded) tensor's, as :class:`CommLog` counts
-    them: the tensor of an all-reduce or a broadcast, the output of an all-gather, the
-    input of a reduce-scatter. Sends, receives and barriers are left out.
-
-    Use::
-
-        with CollectiveBytes() as sent:
-            loss.backward()
-            optimizer.step()
-        sent.calls        # [("all_reduce", 4096), ("broadcast", 1024), ...]
-        sent.volume_bytes
-
-    Raises:
-        RuntimeError: entered without a process group.
-    """
-
-    def __init__(self) -> None:
-        self.log = CollectiveLog()
-        self._recording = None
-
-    def __enter__(self) -> CollectiveBytes:
-        self._recording = self.log.recording()
-        self._recording.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._recording.__exit__(*exc)
-
-    @property
-    def calls(self) -> list[tuple[str, int]]:
-        """``(op, bytes)`` in call order; op is ``"all_reduce"``, ``"broadcast"``,
-        ``"all_gather"``, ``"reduce_scatter"`` or another of the log's ops."""
-        return [(c["op"], c["bytes"]) for c in self.log.calls
-                if c["op"] not in ("send", "recv", "barrier")]  # fmt: skip
-
-    def bytes_of(self, op: str) -> int:
-        """Bytes of every call of ``op`` (e.g. ``"broadcast"``) added up."""
-        return sum(b for o, b in self.calls if o == op)
-
-    @property
-    def volume_bytes(self) -> int:
-        """Bytes in the ZeRO paper's units (section 7): an all-reduce of b bytes counts 2b.
-
-        A ring all-reduce is a reduce-scatter plus an all-gather (lesson 04);
-        a broadcast, an all-gather and a reduce-scatter of b bytes count b.
-        """
-        return sum(2 * b if op == "all_reduce" else b for op, b in self.calls)
 
 
 class _Sharded:
@@ -447,52 +385,3 @@ class ZeRO(nn.Module):
                 else:
                     out[name] = p.detach().clone()
         return out
-
-
-def held_bytes(
-    model: ZeRO | nn.Module, optimizer: torch.optim.Optimizer | None = None
-) -> StateBytes:
-    """Bytes of parameters, gradients and optimizer state this rank holds right now.
-
-    Counted from the tensors themselves, each storage once (a shard that is a
-    view of the full parameter, or DDP's gradients viewed into its buckets,
-    cost nothing more): the module's parameters and their ``.grad``, a
-    :class:`ZeRO`'s shards and their ``.grad``, and every tensor in the
-    optimizer's state (Adam's ``step`` counters included). A DTensor (FSDP2,
-    ``torch.distributed.tensor``) counts its local shard only.
-
-    Args:
-        model: a :class:`ZeRO`, or any module (e.g. DDP's ``.module``).
-        optimizer: the optimizer stepping ``model``'s parameters; required
-            unless ``model`` is a :class:`ZeRO` (which has its own).
-
-    Returns:
-        A :class:`StateBytes` in bytes, this rank only.
-
-    Raises:
-        ValueError: ``optimizer`` missing for a plain module.
-    """
-    seen: set[int] = set()
-
-    def nbytes(tensors: Any) -> int:
-        total = 0
-        for t in tensors:
-            if isinstance(t, torch.Tensor) and hasattr(t, "to_local"):
-                t = t.to_local()  # a DTensor: this rank's shard
-            if isinstance(t, torch.Tensor) and t.numel() > 0:
-                storage = t.untyped_storage()
-                if storage.data_ptr() not in seen:
-                    seen.add(storage.data_ptr())
-                    total += storage.nbytes()
-        return total
-
-    if isinstance(model, ZeRO):
-        params = list(model.module.parameters()) + [s.shard for s in model._shards.values()]
-        optimizer = model.optimizer
-    elif optimizer is None:
-        raise ValueError("held_bytes(module) needs the module's optimizer: held_bytes(m, opt)")
-    else:
-        params = list(model.parameters())
-    grads = [p.grad for p in params]
-    state = [t for st in optimizer.state.values() for t in st.values()]
-    return StateBytes(float(nbytes(params)), float(nbytes(grads)), float(nbytes(state)))

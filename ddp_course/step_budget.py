@@ -6,22 +6,19 @@ A step holds the parameters, their gradients, the optimizer's state
 :func:`predict_step` adds them up with the region a checkpointing policy
 recomputes and the logits, as if all were alive at once: an upper bound of
 the allocator's peak, not a prediction of it (the gradients grow while the
-activations are freed in backward). :func:`measured_step_bytes` measures a
-real step (the CPU allocator through the profiler, or CUDA's
-``max_memory_allocated``) and :meth:`StepBudget.check` checks the bound
-against it with a stated margin. :func:`fit_micro_batch` picks a micro-batch
-and a policy under a budget, by a stated objective. :func:`peak_bound`
-brackets the CUDA allocator's peak of a forward and backward.
-
-Moved here from :mod:`ddp_course.activation_memory`, which still answers to
-these names.
+activations are freed in backward). :meth:`StepBudget.check` checks the bound
+against a real step, measured by ``ddp_course.tools.peak_memory.measured_step_bytes``
+(the CPU allocator through the profiler, or CUDA's ``max_memory_allocated``),
+with a stated margin. :func:`fit_micro_batch` picks a micro-batch and a policy
+under a budget, by a stated objective. :func:`peak_bound` brackets the CUDA
+allocator's peak of a forward and backward.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -34,10 +31,8 @@ __all__ = [
     "PeakBound",
     "StepBudget",
     "fit_micro_batch",
-    "measured_step_bytes",
     "peak_bound",
     "predict_step",
-    "profiled_peak_bytes",
     "state_bytes",
 ]
 
@@ -107,7 +102,8 @@ class StepBudget:
         """``total / measured``, once ``measured <= total <= (1 + margin) * measured``.
 
         Args:
-            measured: bytes a real step held at its peak (:func:`measured_step_bytes`).
+            measured: bytes a real step held at its peak
+                (``ddp_course.tools.peak_memory.measured_step_bytes``).
             margin: how far above ``measured`` the bound may lie (default
                 :data:`BUDGET_MARGIN`).
 
@@ -215,37 +211,6 @@ def fit_micro_batch(
     return best, largest[best], predict_step(cfg, largest[best], seq, best, optimizer)
 
 
-def measured_step_bytes(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: Callable[[], object]
-) -> int:
-    """Bytes one training step holds at its peak: the state held before it, and its peak.
-
-    Held before: the parameters and the optimizer's state (create it with a
-    first step; gradients set to None). The peak of ``step()`` (forward,
-    backward, ``optimizer.step()``) above that: on a GPU
-    ``torch.cuda.max_memory_allocated`` (blocks of 512 bytes or more), on a
-    CPU :func:`profiled_peak_bytes` (a lower bound at operator granularity).
-    Compare with :meth:`StepBudget.check`.
-    """
-
-    def size(tensors):
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-    device = next(model.parameters()).device
-    held = size(model.parameters())
-    # On a GPU AdamW's step counters stay on the host: count device memory only.
-    held += size(v for s in optimizer.state.values() for v in s.values()
-                 if torch.is_tensor(v) and v.device == device)  # fmt: skip
-    if device.type != "cuda":
-        return held + profiled_peak_bytes(step)
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
-    step()
-    torch.cuda.synchronize(device)
-    return held + torch.cuda.max_memory_allocated(device) - base
-
-
 #: Bytes: CUDA's caching allocator hands out blocks of a multiple of 512 bytes
 #: (``kMinBlockSize`` in ``c10/cuda/CUDACachingAllocator.cpp``), and
 #: ``torch.cuda.max_memory_allocated`` counts blocks, not the tensors' bytes.
@@ -314,29 +279,3 @@ def peak_bound(
     high = (activations + recompute + gradients + 3 * logits + 2 * largest
             + ALLOCATOR_BLOCK * tensors)  # fmt: skip
     return PeakBound(low=activations + logits, high=high)
-
-
-def profiled_peak_bytes(fn: Callable[[], object]) -> int:
-    """The CPU allocator's peak during ``fn()``, bytes above what was allocated before.
-
-    Runs ``fn`` under ``torch.profiler.profile(profile_memory=True)``
-    (https://pytorch.org/docs/stable/profiler.html) and adds up, in time
-    order, the bytes each recorded operator allocated and freed itself
-    (``self_cpu_memory_usage``; a free is negative). An allocation and a free
-    inside one operator cancel, so this is a lower bound of the true peak at
-    operator granularity. On a GPU use ``torch.cuda.max_memory_allocated``.
-    """
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    changes = sorted(
-        (ev.time_range.start, ev.self_cpu_memory_usage)
-        for ev in prof.events()
-        if ev.self_cpu_memory_usage
-    )
-    peak = live = 0
-    for _, delta in changes:
-        live += delta
-        peak = max(peak, live)
-    return peak

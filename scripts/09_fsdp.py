@@ -14,7 +14,7 @@ FSDP2 whose ranks start from different weights (no broadcast) does not.
 Each rank reports the bytes of parameters, gradients and optimizer state it
 holds after a step (local shards only), the all-gathers one step makes, the
 bytes of every collective of that step as torch's dispatcher saw them
-(ddp_course.sharding.CollectiveBytes) and the full-parameter bytes alive
+(ddp_course.tools.zero_counts.CollectiveBytes) and the full-parameter bytes alive
 between forward and backward; on GPU also torch.cuda.max_memory_allocated.
 
 --checkpoint DIR: after training, the FSDP2 model and its Adam state are
@@ -51,8 +51,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddp_course.data import synthetic_classification
 from ddp_course.models import MLP
 from ddp_course.runtime import distributed, get_logger, no_tf32, pick_backend, pick_device
-from ddp_course.sharding import FP32_ADAM, CollectiveBytes, held_bytes, state_bytes_per_rank
+from ddp_course.sharding import FP32_ADAM, state_bytes_per_rank
 from ddp_course.tools.records import write_results
+from ddp_course.tools.zero_counts import CollectiveBytes, held_bytes
 
 # CommDebugMode's module tracker uses full backward hooks, which warn on the first layer.
 warnings.filterwarnings("ignore", message="Full backward hook is firing")

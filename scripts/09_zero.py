@@ -32,15 +32,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddp_course.data import synthetic_classification
 from ddp_course.models import MLP
 from ddp_course.runtime import distributed, get_logger, no_tf32, pick_backend, pick_device
-from ddp_course.sharding import (
-    FP32_ADAM,
-    FP32_SGD,
-    CollectiveBytes,
-    ZeRO,
-    held_bytes,
-    state_bytes_per_rank,
-)
+from ddp_course.sharding import FP32_ADAM, FP32_SGD, ZeRO, state_bytes_per_rank
 from ddp_course.tools.records import write_results
+from ddp_course.tools.zero_counts import CollectiveBytes, held_bytes
 
 # SGD without momentum steps by lr x gradient, so a gradient off by a factor shows in
 # the parameters; Adam divides by the gradient's own size and hides it.

@@ -29,6 +29,7 @@ from ddp_course.models import Block, TinyGPT, lm_loss
 from ddp_course.runtime import distributed, get_logger
 from ddp_course.tools.collective_log import CollectiveLog
 from ddp_course.tools.records import write_results
+from ddp_course.tools.saved_tensors import saved_activation_bytes
 
 BLOCK_TOL, GPT_TOL = 1e-12, 1e-10  # float64: a block's rounding, then 5 steps of it
 
@@ -233,7 +234,7 @@ def saved_block_bytes(args, ctx, seq_par):
                     device=ctx.device)  # fmt: skip
     x = (my_part(x, ctx) if seq_par else x).requires_grad_()
     out = {}
-    with sp.saved_activation_bytes([par], out):
+    with saved_activation_bytes([par], out):
         y = par(x)
     y.sum().backward()
     whole_shape = [[args.batch_size, args.seq_len, args.d_model],
@@ -278,7 +279,7 @@ def main():
                             device=ctx.device)  # fmt: skip
             x = (my_part(x, ctx) if seq_par else x).requires_grad_()
             out = {}
-            with sp.saved_activation_bytes([par.ln1, par.ln2], out):
+            with saved_activation_bytes([par.ln1, par.ln2], out):
                 par(x).sum().backward()
             saved[name] = out["bytes"]
         result["layernorm_saved_bytes"] = saved

@@ -7,15 +7,16 @@ Run from the repository root:
 
 Each rank builds the same TinyGPT (written-out attention, dropout on) and, for
 each checkpointing policy, measures the bytes saved for backward with
-saved-tensor hooks, predicts them from the shapes (ddp_course.activation_memory),
-checks that the gradients equal those without checkpointing bit for bit, counts
-the matmul FLOPs of forward and backward (recomputation shows as extra FLOPs)
-and times the step (median, min and max of --steps; printed, never asserted;
-torchrun sets OMP_NUM_THREADS=1, so a rank computes on one thread where a plain
-process uses every core). The policies are those of
-ddp_course.recompute_policies.apply_policy: whole regions, op-level SAC
-(torchtitan's "op" mode), Korthikanti et al.'s selective recomputation of the
-attention core, and every Linear on its own (the anti-pattern: no byte saved).
+saved-tensor hooks (ddp_course.tools.saved_tensors), predicts them from the
+shapes (ddp_course.activation_memory), checks that the gradients equal those
+without checkpointing bit for bit, counts the matmul FLOPs of forward and
+backward (recomputation shows as extra FLOPs) and times the step (median, min
+and max of --steps; printed, never asserted; torchrun sets OMP_NUM_THREADS=1,
+so a rank computes on one thread where a plain process uses every core). The
+policies are those of ddp_course.recompute_policies.apply_policy: whole
+regions, op-level SAC (torchtitan's "op" mode), Korthikanti et al.'s selective
+recomputation of the attention core, and every Linear on its own (the
+anti-pattern: no byte saved).
 On a GPU it also reads the CUDA allocator's peak for each policy and checks it
 lies within the bound that
 ddp_course.step_budget.peak_bound predicts (at least the activations and
@@ -47,6 +48,7 @@ from ddp_course.models import TinyGPT, lm_loss
 from ddp_course.runtime import distributed, get_logger
 from ddp_course.tools.collective_log import CollectiveLog
 from ddp_course.tools.records import write_results
+from ddp_course.tools.saved_tensors import SavedTensorCounter
 
 
 def parse_args():
@@ -74,7 +76,7 @@ def config(args):
 def step(model, x, y, seed):
     """Forward and backward; returns (saved-tensor counter, loss)."""
     torch.manual_seed(seed)  # the same dropout masks for every policy
-    with am.SavedTensorCounter(model.parameters()) as saved:
+    with SavedTensorCounter(model.parameters()) as saved:
         loss = lm_loss(model(x), y)
     loss.backward()
     return saved, loss

@@ -8,15 +8,8 @@ import torch
 
 from ddp_course.harness import launch
 from ddp_course.runtime import distributed
-from ddp_course.sharding import (
-    FP32_ADAM,
-    FP32_SGD,
-    MIXED_ADAM,
-    CollectiveBytes,
-    ZeRO,
-    held_bytes,
-    state_bytes_per_rank,
-)
+from ddp_course.sharding import FP32_ADAM, FP32_SGD, MIXED_ADAM, ZeRO, state_bytes_per_rank
+from ddp_course.tools.zero_counts import CollectiveBytes, held_bytes
 
 GB = 1e9
 WORKERS = pathlib.Path(__file__).resolve().parents[1] / "workers"

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from ddp_course import activation_checkpoint as ac
-from ddp_course import activation_memory as am
 from ddp_course import recompute_policies
 from ddp_course.models import Block, TinyGPT, lm_loss
+from ddp_course.tools.op_counts import OpCounter
+from ddp_course.tools.saved_tensors import SavedTensorCounter
 
 
 def block_grads(run, seed=5, dropout=0.2, autocast=False):
@@ -109,7 +110,7 @@ def model_step(policy, impl="ours"):
     x, y = (torch.randint(0, 256, (2, 16), generator=g) for _ in range(2))
     torch.manual_seed(3)
     loss = lm_loss(model(x), y)
-    with recompute_policies.OpCounter() as ops:
+    with OpCounter() as ops:
         loss.backward()
     return [p.grad for p in model.parameters()], ops.counts, record
 
@@ -215,7 +216,7 @@ def test_selective_checkpointing_warns_of_no_change_to_come():
     x = torch.randn(2, 16, 32, requires_grad=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
-        with am.SavedTensorCounter(block.parameters()) as counter:
+        with SavedTensorCounter(block.parameters()) as counter:
             y = block(x)
         y.square().sum().backward()
     assert counter.activation_bytes > 0

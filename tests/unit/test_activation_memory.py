@@ -1,8 +1,8 @@
-"""ddp_course.activation_memory: saved bytes measured with hooks against the per-term
-prediction (float32 and bfloat16, several shapes, every policy), Korthikanti's formula and
-his selective recomputation against the fused kernel, LayerNorm's statistics, the optimizer
-state counted exactly, and fit_micro_batch's two objectives (tests/unit/
-test_lesson14_step_budget.py measures the step against the budget)."""
+"""ddp_course.activation_memory: saved bytes measured with hooks (ddp_course.tools.
+saved_tensors) against the per-term prediction (float32 and bfloat16, several shapes, every
+policy), Korthikanti's formula and his selective recomputation against the fused kernel,
+LayerNorm's statistics, the optimizer state counted exactly, and fit_micro_batch's two
+objectives (tests/unit/test_lesson14_step_budget.py measures the step against the budget)."""
 
 import pytest
 import torch
@@ -10,6 +10,7 @@ import torch
 from ddp_course import activation_memory as am
 from ddp_course import recompute_policies, step_budget
 from ddp_course.models import Block, TinyGPT, lm_loss
+from ddp_course.tools.saved_tensors import SavedTensorCounter, saved_activation_bytes
 
 D, HEADS = 32, 4
 
@@ -18,7 +19,7 @@ def measured_block(batch, seq, dropout, flash=False, dtype=torch.float32):
     torch.manual_seed(0)
     block = Block(D, HEADS, dropout, flash).to(dtype).train()
     x = torch.randn(batch, seq, D, dtype=dtype, requires_grad=True)
-    with am.SavedTensorCounter(block.parameters()) as saved:
+    with SavedTensorCounter(block.parameters()) as saved:
         block(x)
     return saved
 
@@ -46,17 +47,32 @@ def test_block_without_dropout_and_fused_attention(seq):
 def test_views_counted_once_and_parameters_apart():
     w = torch.nn.Parameter(torch.randn(8, 8))
     x = torch.randn(4, 8, requires_grad=True)
-    with am.SavedTensorCounter([w]) as once:
+    with SavedTensorCounter([w]) as once:
         y = x * 2
         (y.view(2, 16) * y.view(2, 16)).sum()  # saves two views of y's storage
         x @ w  # saves x and w
     assert once.activation_bytes == 2 * 4 * 8 * 4  # y and x, once each
     assert once.parameter_bytes == 8 * 8 * 4
-    with am.SavedTensorCounter([w], count_views_once=False) as twice:
+    with SavedTensorCounter([w], count_views_once=False) as twice:
         y = x * 2
         (y.view(2, 16) * y.view(2, 16)).sum()
         x @ w
     assert twice.activation_bytes == 3 * 4 * 8 * 4
+
+
+def test_both_instruments_count_a_block_alike():
+    # One rule (MemorySpans): the per-module counter of lesson 13 sees what lesson 14's does.
+    torch.manual_seed(0)
+    block = Block(D, HEADS, 0.1, flash=False).train()
+    x = torch.randn(2, 16, D, requires_grad=True)
+    out = {}
+    with saved_activation_bytes([block], out):  # hooks do not nest: the inner one sees all
+        block(x)
+    with SavedTensorCounter(block.parameters()) as saved:
+        block(x)
+    assert out["bytes"] == saved.activation_bytes > 0
+    kinds = [kind for *_, kind in saved.saved if kind != "parameter"]
+    assert len(out["shapes"]) == kinds.count("activation") < len(kinds)  # views: once
 
 
 @pytest.mark.parametrize("seq", [16, 32])
@@ -68,7 +84,7 @@ def test_core_attention_drops_the_quadratic_terms_as_the_fused_kernel_does(seq):
     block = Block(D, HEADS, 0.0, flash=False).train()
     block.attn.attention_core = recompute_policies.CheckpointedCore(block.attn.attention_core)
     x = torch.randn(2, seq, D, requires_grad=True)
-    with am.SavedTensorCounter(block.parameters()) as core:
+    with SavedTensorCounter(block.parameters()) as core:
         block(x)
     terms = am.block_terms(2, seq, D, HEADS, dropout=False)
     assert core.activation_bytes == sum(t.bytes for t in terms if not t.core) + 3 * 4 * 2 * seq * D
@@ -105,7 +121,7 @@ def held_bytes(cfg, batch, seq, policy):
     record = recompute_policies.apply_policy(model, policy)
     g = torch.Generator().manual_seed(1)
     x, y = (torch.randint(0, 256, (batch, seq), generator=g) for _ in range(2))
-    with am.SavedTensorCounter(model.parameters()) as saved:
+    with SavedTensorCounter(model.parameters()) as saved:
         lm_loss(model(x), y)
     return saved.activation_bytes + record.saved_bytes
 

@@ -1,8 +1,8 @@
 """Lesson 14's whole-step budget against a real step: ddp_course.step_budget's
 predict_step is an upper bound of the memory a forward, backward and AdamW step hold at
-their peak (the CPU allocator through the profiler), within the stated margin, for every
-policy that fit_micro_batch may choose; StepBudget.check refuses a bound that is too
-small or too loose."""
+their peak (ddp_course.tools.peak_memory: the CPU allocator through the profiler), within
+the stated margin, for every policy that fit_micro_batch may choose; StepBudget.check
+refuses a bound that is too small or too loose."""
 
 import pytest
 import torch
@@ -11,6 +11,7 @@ from ddp_course import recompute_policies
 from ddp_course import step_budget as sb
 from ddp_course.data import lm_batch, shakespeare_bytes
 from ddp_course.models import TinyGPT, lm_loss
+from ddp_course.tools.peak_memory import measured_step_bytes
 
 CFG = {"d_model": 32, "n_heads": 4, "n_layers": 3, "seq_len": 32, "dropout": 0.1,
        "flash": False}  # fmt: skip
@@ -29,7 +30,7 @@ def measured(batch, policy, seq=32):
 
     step()  # AdamW's state exists from here on, as in every later step
     model.zero_grad(set_to_none=True)
-    return sb.measured_step_bytes(model, opt, step)
+    return measured_step_bytes(model, opt, step)
 
 
 @pytest.mark.parametrize("policy", ["none", "every_other_block", "every_block", "core_attention"])

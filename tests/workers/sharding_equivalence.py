@@ -19,8 +19,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_course.models import MLP
 from ddp_course.runtime import distributed
-from ddp_course.sharding import FP32_ADAM, ZeRO, held_bytes, state_bytes_per_rank
+from ddp_course.sharding import FP32_ADAM, ZeRO, state_bytes_per_rank
 from ddp_course.tools.records import write_results
+from ddp_course.tools.zero_counts import held_bytes
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=4)

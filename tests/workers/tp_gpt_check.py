@@ -32,6 +32,7 @@ from ddp_course.models import Block, TinyGPT, lm_loss
 from ddp_course.runtime import distributed
 from ddp_course.tools.collective_log import CollectiveLog
 from ddp_course.tools.records import write_results
+from ddp_course.tools.saved_tensors import saved_activation_bytes
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--d-model", type=int, default=16)
@@ -195,7 +196,7 @@ def layernorm_bytes(ctx, sequence_parallel):
     x = torch.randn(args.batch_size, args.seq, args.d_model, dtype=torch.float64)
     x = (my_part(x, ctx) if sequence_parallel else x).requires_grad_()
     out = {}
-    with sp.saved_activation_bytes([par.ln1, par.ln2], out):
+    with saved_activation_bytes([par.ln1, par.ln2], out):
         par(x).sum().backward()
     return out["bytes"]
 
@@ -209,7 +210,7 @@ def block_bytes(ctx, sequence_parallel):
     x = torch.randn(args.batch_size, args.seq, args.d_model, dtype=torch.float64)
     x = (my_part(x, ctx) if sequence_parallel else x).requires_grad_()
     out = {}
-    with sp.saved_activation_bytes([par], out):
+    with saved_activation_bytes([par], out):
         y = par(x)
     y.sum().backward()
     return out
