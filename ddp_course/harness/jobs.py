@@ -53,6 +53,11 @@ def dump_python_stacks(proc: subprocess.Popen, script: pathlib.Path, wait_s: flo
     """Send SIGABRT to every rank of the job started as ``proc`` (not to the agent), and
     wait up to ``wait_s`` seconds for them to die.
 
+    A rank is a process below ``proc`` whose command line names ``script``: a rank
+    torchrun started as ``python -u script``, or one forked from the agent (its command
+    line is the agent's). ``proc`` itself counts when it is not torchrun's agent (a
+    plain ``python script`` run).
+
     Every rank runs with PYTHONFAULTHANDLER=1, so SIGABRT makes it print the Python stack
     of each of its threads to stderr (its log) before it dies: the stack of a hung job at
     the moment it was stopped, at no cost while the job runs."""
@@ -67,7 +72,8 @@ def dump_python_stacks(proc: subprocess.Popen, script: pathlib.Path, wait_s: flo
             cmdline = p.cmdline()
         except psutil.Error:
             continue
-        if str(script.resolve()) in cmdline and "ddp_course.harness.loopback" not in cmdline:
+        agent = p is root and "ddp_course.harness.loopback" in cmdline
+        if str(script.resolve()) in cmdline and not agent:
             ranks.append(p)
     for p in ranks:
         try:

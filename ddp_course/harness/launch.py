@@ -55,6 +55,7 @@ from .failures import (
     tail_traceback,
     where_stuck,
 )
+from .forked_ranks import FORK_ENV
 from .jobs import (
     HEARTBEAT_ENV,
     HEARTBEAT_S,
@@ -175,6 +176,7 @@ def torchrun(
     echo: bool = True,
     extra_torchrun_args: Sequence[str] = (),
     gpus: int | None = None,
+    fork_ranks: bool | None = None,
 ) -> LaunchResult:
     """Run ``torchrun --nproc_per_node=nproc script *args`` and wait for it.
 
@@ -190,6 +192,13 @@ def torchrun(
     interface (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``), unless
     ``extra_torchrun_args`` name a rendezvous endpoint, master address or
     several nodes, or ``env`` sets those variables.
+
+    A single-node job on the CPU forks its ranks from torchrun's agent
+    (``torchrun --run-path --start-method=fork``, :mod:`.forked_ranks`) instead of
+    starting each as a new interpreter: each rank then skips the seconds of CPU
+    that importing torch costs. The script, its arguments, environment, logs and
+    exit codes are the same; ``fork_ranks=False`` or ``DDP_COURSE_FORK_RANKS=0``
+    starts every rank as a new interpreter, as the printed command does.
 
     Args:
         script: path of the Python script (relative to the current folder).
@@ -208,13 +217,18 @@ def torchrun(
         gpus: GPUs on this machine for the device rule; default
             ``torch.cuda.device_count()`` (0 without CUDA). ``gpus=0`` runs
             the job on CPU.
+        fork_ranks: fork the ranks from the agent (default: for a
+            single-node CPU job, unless ``DDP_COURSE_FORK_RANKS=0``). Pass
+            ``False`` when a tool inspects the ranks from outside by their
+            environment (:func:`ddp_course.tools.debug.rank_processes`).
 
     Returns:
         :class:`LaunchResult`.
 
     Raises:
         FileNotFoundError: if ``script`` does not exist.
-        ValueError: if ``nproc`` < 1 or ``gpus`` < 0.
+        ValueError: if ``nproc`` < 1 or ``gpus`` < 0, or ``fork_ranks=True``
+            for a job that is not a single-node CPU job.
         LaunchTimeout: the job ran past ``timeout_s``; all its processes
             were killed.
         LaunchError: a rank failed; the message names it and shows its
@@ -225,6 +239,7 @@ def torchrun(
         raise ValueError(f"nproc must be at least 1, not {nproc}")
     env, prefix = planned_env(env, nproc, gpus)
     single_node = not is_multi_node(extra_torchrun_args)
+    fork_ranks = _fork_ranks(fork_ranks, env, single_node)
     loopback = loopback_interface() if single_node else None
     if loopback is not None:
         for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
@@ -237,6 +252,7 @@ def torchrun(
         agent_tmp.mkdir()
         cmd = [
             sys.executable, "-m", "ddp_course.harness.loopback", "--tmpdir", str(agent_tmp),
+            *(["--fork-ranks"] if fork_ranks else []),
             f"--nproc_per_node={nproc}",
             "--rdzv-backend=c10d",
             # Port 0: the agent binds a free port itself, so no other job can take the
@@ -259,6 +275,24 @@ def torchrun(
         return _run_job(
             cmd, path, nproc, timeout_s, env, echo, logs_path, results_path, prefix + shown
         )
+
+
+def _fork_ranks(asked: bool | None, env: Mapping[str, str], single_node: bool) -> bool:
+    """Whether a job forks its ranks from the agent: a CUDA process must not be forked
+    once CUDA is initialised, and a multi-node job's agents start as torchrun's do."""
+    device = env.get(DEVICE_ENV, os.environ.get(DEVICE_ENV, ""))
+    possible = single_node and device == "cpu"
+    if asked and not possible:
+        raise ValueError(
+            f"fork_ranks=True needs a single-node job on the CPU ({DEVICE_ENV}=cpu), "
+            f"not {DEVICE_ENV}={device!r} on {'one node' if single_node else 'several nodes'}"
+        )
+    if asked is None:
+        setting = env.get(FORK_ENV, os.environ.get(FORK_ENV, "1"))
+        if setting not in ("0", "1"):
+            raise ValueError(f"{FORK_ENV}={setting!r}: use 1 (fork the ranks) or 0")
+        return possible and setting == "1"
+    return asked
 
 
 def python(

@@ -1,9 +1,10 @@
 """torchrun with every store on a loopback host bound to loopback only.
 
-``python -m ddp_course.harness.loopback [--tmpdir DIR] TORCHRUN_ARGS`` is torchrun
-whose TCPStore servers listen on 127.0.0.1 (or ::1) when their host is a loopback
-address, instead of on every interface; :func:`ddp_course.harness.launch.torchrun`
-starts every job this way.
+``python -m ddp_course.harness.loopback [--tmpdir DIR] [--fork-ranks] TORCHRUN_ARGS``
+is torchrun whose TCPStore servers listen on 127.0.0.1 (or ::1) when their host is a
+loopback address, instead of on every interface; :func:`ddp_course.harness.launch.torchrun`
+starts every job this way. ``--fork-ranks`` forks the ranks from the agent
+(:mod:`.forked_ranks`) instead of starting each as a new interpreter.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ def _loopback_tcpstore(base: type) -> type:
     """
 
     class LoopbackTCPStore(base):
+        torch_class = base  # what a forked rank puts back (see .forked_ranks)
+
         def __init__(self, host_name: str, port: int, *args: Any, **kwargs: Any) -> None:
             kwargs.update(zip(_TCPSTORE_ARGS, args))
             family = _loopback_family(host_name)
@@ -90,11 +93,17 @@ def main(argv: Sequence[str]) -> None:
     from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, static_tcp_rendezvous
 
     argv = list(argv)
+    ranks_tempdir = tempfile.tempdir
     if argv[:1] == ["--tmpdir"]:
         # Only the agent's own files: the workers keep the usual temporary
         # folder (compile caches live there).
         tempfile.tempdir = argv[1]
         argv = argv[2:]
+    if argv[:1] == ["--fork-ranks"]:
+        from . import forked_ranks
+
+        run.run_script_path = forked_ranks.prepare_agent(ranks_tempdir)
+        argv = ["--run-path", "--start-method=fork", *argv[1:]]
     store = _loopback_tcpstore(dist.TCPStore)
     # The rendezvous backends bound the name at import; the agent's own store
     # is created through ``dist.TCPStore``.

@@ -112,7 +112,10 @@ def rank_processes(marker: str) -> dict[int, psutil.Process]:
 
     A worker is a process whose command line contains ``marker`` (e.g. the
     script's name) and whose environment has ``RANK`` (torchrun sets it; the
-    agent has none). Processes of other users or already gone are skipped.
+    agent has none). The environment is ``/proc/PID/environ``, the one the process
+    started with: a rank forked from the agent
+    (:mod:`ddp_course.harness.forked_ranks`) is not found. Processes of other
+    users or already gone are skipped.
     """
     found = {}
     for proc in psutil.process_iter(["cmdline"]):
@@ -151,7 +154,11 @@ def py_spy_dumps(marker: str, timeout_s: float = 30.0) -> dict[int, str]:
         raise FileNotFoundError("py-spy is not installed: pip install py-spy")
     procs = rank_processes(marker)
     if not procs:
-        raise LookupError(f"no running torchrun worker has {marker!r} in its command line")
+        raise LookupError(
+            f"no running torchrun worker has {marker!r} in its command line and RANK in the "
+            "environment it started with (a rank forked from torchrun's agent has none there: "
+            "start the job with launch.torchrun(..., fork_ranks=False))"
+        )
     dumps = {}
     for rank, proc in sorted(procs.items()):
         done = subprocess.run(

@@ -1,0 +1,115 @@
+"""Ranks forked from torchrun's agent instead of started as new interpreters.
+
+A rank that torchrun starts as ``python -u script.py`` spends, before its first line
+of work, about 2.5 s of CPU importing torch and 1.5 s more importing
+``torch._dynamo`` (the first optimizer, DDP or ``fully_shard`` does), and about 1 s
+leaving; on a 2-core laptop that floor, paid by every rank of every job, is most of
+what a short lesson job costs. torchrun can instead run the script in its own
+interpreter, forked once per rank: ``torchrun --run-path --start-method=fork``
+(``torch.distributed.run.run_script_path``, which calls ``runpy.run_path``; see
+https://pytorch.org/docs/stable/elastic/run.html). :func:`prepare_agent` makes the
+agent import what every rank needs first, so each forked rank starts with it
+imported; :func:`rank_entrypoint` is what each rank runs.
+
+What stays the same for the script: ``sys.argv``, ``__name__ == "__main__"``, the
+environment torchrun gives every rank (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR``, ``MASTER_PORT``, ``OMP_NUM_THREADS``...), the per-rank logs, exit
+codes and tracebacks in them, restarts. What differs: the rank's command line is the
+agent's, and ``/proc/PID/environ`` shows the agent's starting environment (the
+rank's ``os.environ`` is right; tools that read another process's environment, as
+:func:`ddp_course.tools.debug.rank_processes` does, need ranks started as new
+interpreters). Only the launcher uses it, and only for jobs planned on the CPU:
+a CUDA process must not be forked after CUDA was initialised, and GPU jobs keep
+torchrun's usual start.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import importlib
+import logging
+import os
+import runpy
+import signal
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable
+
+__all__ = ["FORK_ENV", "PRELOADED", "prepare_agent", "rank_entrypoint"]
+
+# ``DDP_COURSE_FORK_RANKS=0`` starts every rank as a new interpreter again.
+FORK_ENV = "DDP_COURSE_FORK_RANKS"
+
+# What the agent imports for its ranks: torch._dynamo is most of the cost (torch's
+# optimizers, DDP and FSDP2 import it on first use); the rest is cheap once it is in.
+PRELOADED = (
+    "torch._dynamo",
+    "torch.nn.parallel",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "torch.distributed.checkpoint",
+)
+
+# Signals the agent handles itself (torchrun turns them into an exception that stops
+# the job); a rank must die of them as a new interpreter would.
+_DEFAULT_SIGNALS = ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+
+
+def prepare_agent(tempdir: str | None) -> Callable[..., None]:
+    """Import :data:`PRELOADED` in torchrun's agent and return the ranks' entry point
+    (:func:`rank_entrypoint` with ``tempdir``, the ranks' ``tempfile.tempdir``).
+
+    Call in the agent before it starts any rank. ``gc.freeze()`` moves every object
+    imported so far out of the garbage collector's reach, so a rank's collections do
+    not touch (and copy, page by page) the memory it shares with the agent.
+    """
+    for name in PRELOADED:
+        importlib.import_module(name)
+    gc.freeze()
+    return rank_entrypoint(tempdir)
+
+
+def rank_entrypoint(tempdir: str | None) -> Callable[..., None]:
+    """``run(script, *args)``: run ``script`` as ``__main__`` in this (forked) rank.
+
+    Before the script it undoes what the agent changed in its own process and a new
+    interpreter would not have: torch's thread count (set from ``OMP_NUM_THREADS``
+    as a new interpreter sets it), signal handlers, ``atexit`` functions, root logging
+    handlers, ``tempfile.tempdir`` (set back to ``tempdir``) and the loopback store
+    class (see :mod:`.loopback`). An uncaught exception is printed to the rank's
+    log as Python would print it, then raised again for torchrun to report; the
+    script's ``atexit`` functions run at the end, as at a normal interpreter exit.
+    """
+
+    def run(script: str, *args: str) -> None:
+        import torch
+        import torch.distributed as dist
+
+        # torch sized its thread pool in the agent, before torchrun set the ranks'
+        # OMP_NUM_THREADS; a new interpreter reads it at its first parallel op.
+        threads = os.environ.get("OMP_NUM_THREADS", "")
+        if threads.isdigit() and int(threads) > 0:
+            torch.set_num_threads(int(threads))
+        for name in _DEFAULT_SIGNALS:
+            signal.signal(getattr(signal, name), signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        atexit._clear()
+        logging.root.handlers.clear()
+        tempfile.tempdir = tempdir
+        dist.TCPStore = getattr(dist.TCPStore, "torch_class", dist.TCPStore)
+        sys.argv = [script, *args]
+        sys.path[0] = os.path.dirname(script)
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit:
+            raise
+        except BaseException:
+            traceback.print_exc()
+            raise
+        finally:
+            sys.stderr.flush()
+            atexit._run_exitfuncs()
+
+    return run

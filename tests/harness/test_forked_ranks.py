@@ -1,0 +1,59 @@
+"""Ranks forked from torchrun's agent (ddp_course.harness.forked_ranks): the script sees
+what it sees as a new interpreter, failures and exit codes read the same, and the
+ranks really start with torch imported."""
+
+import os
+import re
+
+import pytest
+
+from ddp_course.harness import launch
+
+
+def _views(workers, tmp_path, fork, *args):
+    goodbye = tmp_path / f"atexit_{fork}.txt"
+    job = launch.torchrun(workers / "rank_start_probe.py", ["--atexit-file", str(goodbye), *args],
+                          nproc=2, results=True, echo=False, gpus=0, fork_ranks=fork)  # fmt: skip
+    return job.results["views"], goodbye.read_text()
+
+
+def test_a_forked_rank_sees_what_a_new_interpreter_sees(workers, tmp_path):
+    forked, forked_goodbye = _views(workers, tmp_path, True)
+    started, started_goodbye = _views(workers, tmp_path, False)
+    # The one intended difference: the forked rank starts with torch imported.
+    assert [v.pop("preloaded_at_start") for v in forked] == [True, True]
+    assert [v.pop("preloaded_at_start") for v in started] == [False, False]
+    # The script's arguments, but the two runs' files have different names.
+    for view in forked + started:
+        argv = view.pop("argv")
+        assert argv[0] == str(workers / "rank_start_probe.py") and argv[1::2] == [
+            "--atexit-file", "--results"]  # fmt: skip
+    assert forked == started
+    assert forked[0]["threads"] == 1 and forked[0]["omp_num_threads"] == "1"
+    assert forked[0]["tempdir"] != "" and "ddp_course_" not in forked[0]["tempdir"]
+    assert forked[1]["env"] == {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}
+    assert sorted(forked_goodbye.splitlines()) == sorted(started_goodbye.splitlines())
+    assert len(forked_goodbye.splitlines()) == 2
+
+
+@pytest.mark.parametrize("fork", [True, False], ids=["forked", "new-interpreter"])
+def test_a_failing_forked_rank_reads_as_a_failing_rank(workers, tmp_path, fork):
+    with pytest.raises(launch.LaunchError) as caught:
+        _views(workers, tmp_path, fork, "--fail")
+    assert caught.value.rank == 1 and caught.value.returncode == 1
+    assert "ValueError: deliberate failure on rank 1" in caught.value.logs[1]
+    assert re.search(r"rank_start_probe.py\", line \d+", caught.value.logs[1])
+    with pytest.raises(launch.LaunchError) as caught:
+        _views(workers, tmp_path, fork, "--exit", "3")
+    # The exit code is torchrun's (1); its report names the rank's own.
+    assert caught.value.rank == 1 and re.search(r"exitcode\s*: 3", caught.value.output)
+
+
+def test_only_single_node_cpu_jobs_fork(workers, monkeypatch):
+    with pytest.raises(ValueError, match="single-node job on the CPU"):
+        launch.torchrun(workers / "rank_start_probe.py", env={"DDP_COURSE_DEVICE": "cuda"},
+                        fork_ranks=True)  # fmt: skip
+    monkeypatch.setenv("DDP_COURSE_FORK_RANKS", "yes")
+    with pytest.raises(ValueError, match="DDP_COURSE_FORK_RANKS='yes'"):
+        launch.torchrun(workers / "rank_start_probe.py", gpus=0)
+    assert "DDP_COURSE_FORK_RANKS" not in os.environ or os.environ["DDP_COURSE_FORK_RANKS"]

@@ -1,0 +1,62 @@
+"""Worker: what a rank's process looks like when its script starts, to compare a rank
+forked from torchrun's agent with one started as a new interpreter.
+
+``--results FILE``: rank 0 gathers every rank's view and writes it. ``--fail``: rank 1
+raises after reporting; ``--exit N``: rank 1 calls ``sys.exit(N)``. At exit each rank's
+``atexit`` function appends a line to ``--atexit-file``.
+"""
+
+import sys
+
+# Before this script imports anything: a forked rank already has torch and dynamo.
+PRELOADED_AT_START = "torch._dynamo" in sys.modules
+
+import argparse  # noqa: E402
+import atexit  # noqa: E402
+import logging  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import tempfile  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from ddp_course.runtime import distributed  # noqa: E402
+from ddp_course.tools.records import write_results  # noqa: E402
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--results")
+parser.add_argument("--atexit-file", required=True)
+parser.add_argument("--fail", action="store_true")
+parser.add_argument("--exit", type=int)
+args = parser.parse_args()
+
+
+def say_goodbye(rank: int) -> None:
+    with open(args.atexit_file, "a") as f:
+        f.write(f"rank {rank} ran its atexit function\n")
+
+
+with distributed() as ctx:
+    atexit.register(say_goodbye, ctx.rank)
+    view = {
+        "preloaded_at_start": PRELOADED_AT_START,
+        "threads": torch.get_num_threads(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "tempdir": tempfile.gettempdir(),
+        "store_class": dist.TCPStore.__name__,
+        "argv": sys.argv,
+        "path0": sys.path[0],
+        "name": __name__,
+        "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+        "sigint_python": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+        "root_handlers": len(logging.root.handlers),
+        "env": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")},
+    }
+    views = [None] * ctx.world_size
+    dist.all_gather_object(views, view)
+    write_results(ctx, args.results, {"views": views})
+    if ctx.rank == 1 and args.fail:
+        raise ValueError("deliberate failure on rank 1")
+    if ctx.rank == 1 and args.exit is not None:
+        sys.exit(args.exit)
