@@ -18,9 +18,10 @@ codes and tracebacks in them, restarts. What differs: the rank's command line is
 agent's, and ``/proc/PID/environ`` shows the agent's starting environment (the
 rank's ``os.environ`` is right; tools that read another process's environment, as
 :func:`ddp_course.tools.debug.rank_processes` does, need ranks started as new
-interpreters). Only the launcher uses it, and only for jobs planned on the CPU:
-a CUDA process must not be forked after CUDA was initialised, and GPU jobs keep
-torchrun's usual start.
+interpreters). Only the launchers use it (:func:`ddp_course.harness.launch.torchrun` and the
+simulated nodes of :func:`ddp_course.harness.multinode.torchrun_nodes`), and only for
+jobs on the CPU: a CUDA process must not be forked after CUDA was initialised, and
+GPU jobs keep torchrun's usual start.
 """
 
 from __future__ import annotations
@@ -32,12 +33,21 @@ import logging
 import os
 import runpy
 import signal
+import socket
+import stat
 import sys
 import tempfile
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
-__all__ = ["FORK_ENV", "PRELOADED", "prepare_agent", "rank_entrypoint"]
+__all__ = [
+    "FORK_ENV",
+    "PRELOADED",
+    "close_inherited_listeners",
+    "enabled",
+    "prepare_agent",
+    "rank_entrypoint",
+]
 
 # ``DDP_COURSE_FORK_RANKS=0`` starts every rank as a new interpreter again.
 FORK_ENV = "DDP_COURSE_FORK_RANKS"
@@ -57,6 +67,19 @@ PRELOADED = (
 _DEFAULT_SIGNALS = ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
 
 
+def enabled(env: Mapping[str, str]) -> bool:
+    """Whether ``DDP_COURSE_FORK_RANKS`` allows forking ranks: its value in ``env``, else
+    in this process's environment; forking is the default.
+
+    Raises:
+        ValueError: the variable is set to something other than ``"0"`` or ``"1"``.
+    """
+    setting = env.get(FORK_ENV, os.environ.get(FORK_ENV, "1"))
+    if setting not in ("0", "1"):
+        raise ValueError(f"{FORK_ENV}={setting!r}: use 1 (fork the ranks) or 0")
+    return setting == "1"
+
+
 def prepare_agent(tempdir: str | None) -> Callable[..., None]:
     """Import :data:`PRELOADED` in torchrun's agent and return the ranks' entry point
     (:func:`rank_entrypoint` with ``tempdir``, the ranks' ``tempfile.tempdir``).
@@ -71,16 +94,48 @@ def prepare_agent(tempdir: str | None) -> Callable[..., None]:
     return rank_entrypoint(tempdir)
 
 
+def close_inherited_listeners() -> list[int]:
+    """Close this process's copies of listening sockets; returns their descriptors.
+
+    A forked process holds a copy of every descriptor its parent had open, the
+    sockets of the agent's store server among them, so to ``ss`` or psutil the rank
+    would listen on the agent's ports too. Closing a copy leaves the agent's own
+    socket open and served. Meant for the start of a forked rank, before the script
+    opens sockets of its own.
+    """
+    closed = []
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            continue  # the directory's own descriptor, or one closed meanwhile
+        try:
+            listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+        except OSError:
+            listening = 0
+        if listening:
+            sock.close()
+            closed.append(fd)
+        else:
+            sock.detach()
+    return closed
+
+
 def rank_entrypoint(tempdir: str | None) -> Callable[..., None]:
     """``run(script, *args)``: run ``script`` as ``__main__`` in this (forked) rank.
 
     Before the script it undoes what the agent changed in its own process and a new
     interpreter would not have: torch's thread count (set from ``OMP_NUM_THREADS``
-    as a new interpreter sets it), signal handlers, ``atexit`` functions, root logging
+    as a new interpreter sets it), signal handlers, ``atexit`` functions, the copies
+    of the agent's listening sockets (:func:`close_inherited_listeners`), root logging
     handlers, ``tempfile.tempdir`` (set back to ``tempdir``) and the loopback store
-    class (see :mod:`.loopback`). An uncaught exception is printed to the rank's
-    log as Python would print it, then raised again for torchrun to report; the
-    script's ``atexit`` functions run at the end, as at a normal interpreter exit.
+    class (see :mod:`.loopback`). An uncaught exception, or the message of
+    ``sys.exit("message")``, is printed to the rank's log as Python would print it,
+    then raised again for torchrun to report; the script's ``atexit`` functions run at
+    the end, as at a normal interpreter exit.
     """
 
     def run(script: str, *args: str) -> None:
@@ -96,6 +151,7 @@ def rank_entrypoint(tempdir: str | None) -> Callable[..., None]:
             signal.signal(getattr(signal, name), signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         atexit._clear()
+        close_inherited_listeners()
         logging.root.handlers.clear()
         tempfile.tempdir = tempdir
         dist.TCPStore = getattr(dist.TCPStore, "torch_class", dist.TCPStore)
@@ -103,8 +159,13 @@ def rank_entrypoint(tempdir: str | None) -> Callable[..., None]:
         sys.path[0] = os.path.dirname(script)
         try:
             runpy.run_path(script, run_name="__main__")
-        except SystemExit:
-            raise
+        except SystemExit as stop:
+            if stop.code is None or isinstance(stop.code, int):
+                raise
+            # sys.exit("message"): Python prints it and exits with 1; here the
+            # rank's log must get it before torchrun's redirection ends.
+            print(stop.code, file=sys.stderr)
+            raise SystemExit(1) from None
         except BaseException:
             traceback.print_exc()
             raise

@@ -46,6 +46,7 @@ from typing import Any
 
 from .. import runtime
 from ..runtime import DEVICE_ENV, device_plan
+from . import forked_ranks
 from .failures import (
     LaunchError,
     LaunchTimeout,
@@ -55,7 +56,6 @@ from .failures import (
     tail_traceback,
     where_stuck,
 )
-from .forked_ranks import FORK_ENV
 from .jobs import (
     HEARTBEAT_ENV,
     HEARTBEAT_S,
@@ -288,10 +288,7 @@ def _fork_ranks(asked: bool | None, env: Mapping[str, str], single_node: bool) -
             f"not {DEVICE_ENV}={device!r} on {'one node' if single_node else 'several nodes'}"
         )
     if asked is None:
-        setting = env.get(FORK_ENV, os.environ.get(FORK_ENV, "1"))
-        if setting not in ("0", "1"):
-            raise ValueError(f"{FORK_ENV}={setting!r}: use 1 (fork the ranks) or 0")
-        return possible and setting == "1"
+        return possible and forked_ranks.enabled(env)
     return asked
 
 

@@ -42,7 +42,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..runtime import DEVICE_ENV
-from . import failures, jobs, launch
+from . import failures, forked_ranks, jobs, launch
 
 __all__ = [
     "SIMULATED_NODES_DEVICE",
@@ -165,9 +165,11 @@ def _agent_cmd(
     extra: Sequence[str],
     script: pathlib.Path,
     args: Sequence[str],
+    fork_ranks: bool,
 ) -> list[str]:
     cmd = [
         sys.executable, "-m", "ddp_course.harness.loopback", "--tmpdir", str(agent_tmp),
+        *(["--fork-ranks"] if fork_ranks else []),
         f"--nnodes={nnodes}", f"--node-rank={node.node_rank}", f"--nproc-per-node={node.nproc}",
         "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
         f"--local-addr={node.addr}", f"--log-dir={log_dir}", "--tee=3",
@@ -258,7 +260,8 @@ def torchrun_nodes(
             ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` defaults to ``1`` (a fresh
             store for the workers at each rendezvous round, see the code).
             ``DDP_COURSE_DEVICE`` is always ``"cpu"``; giving it here is allowed
-            only with that value.
+            only with that value. Each node's ranks are forked from its agent
+            (:mod:`.forked_ranks`) unless ``DDP_COURSE_FORK_RANKS=0``.
         results: pass ``--results <file>`` (one file, shared) and return its JSON.
         echo: print the device line and node 0's rank 0 output live.
         extra_torchrun_args: more torchrun flags for every node (e.g.
@@ -340,7 +343,7 @@ def torchrun_nodes(
             job_args = [*args, *(["--results", str(results_path)] if results_path else [])]
             cmds.append(_agent_cmd(node, nnodes, endpoint, run_id, agent_tmp,
                                    logs_root / f"node{i}", extra_torchrun_args, path,
-                                   job_args))  # fmt: skip
+                                   job_args, forked_ranks.enabled(env)))  # fmt: skip
             conf = dict(rdzv_conf or {})
             if node.netns and endpoint.rpartition(":")[0] == node.addr:
                 conf.setdefault("is_host", "true")

@@ -30,6 +30,7 @@ def test_a_forked_rank_sees_what_a_new_interpreter_sees(workers, tmp_path):
             "--atexit-file", "--results"]  # fmt: skip
     assert forked == started
     assert forked[0]["threads"] == 1 and forked[0]["omp_num_threads"] == "1"
+    assert forked[0]["listening_at_start"] == []  # the agent's store is not rank 0's
     assert forked[0]["tempdir"] != "" and "ddp_course_" not in forked[0]["tempdir"]
     assert forked[1]["env"] == {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}
     assert sorted(forked_goodbye.splitlines()) == sorted(started_goodbye.splitlines())
@@ -47,6 +48,9 @@ def test_a_failing_forked_rank_reads_as_a_failing_rank(workers, tmp_path, fork):
         _views(workers, tmp_path, fork, "--exit", "3")
     # The exit code is torchrun's (1); its report names the rank's own.
     assert caught.value.rank == 1 and re.search(r"exitcode\s*: 3", caught.value.output)
+    with pytest.raises(launch.LaunchError) as caught:
+        _views(workers, tmp_path, fork, "--exit-message", "use the other script")
+    assert caught.value.rank == 1 and "use the other script" in caught.value.logs[1]
 
 
 def test_only_single_node_cpu_jobs_fork(workers, monkeypatch):

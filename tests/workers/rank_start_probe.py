@@ -2,7 +2,8 @@
 forked from torchrun's agent with one started as a new interpreter.
 
 ``--results FILE``: rank 0 gathers every rank's view and writes it. ``--fail``: rank 1
-raises after reporting; ``--exit N``: rank 1 calls ``sys.exit(N)``. At exit each rank's
+raises after reporting; ``--exit N``: rank 1 calls ``sys.exit(N)``; ``--exit-message
+TEXT``: rank 1 calls ``sys.exit(TEXT)``. At exit each rank's
 ``atexit`` function appends a line to ``--atexit-file``.
 """
 
@@ -18,6 +19,7 @@ import os  # noqa: E402
 import signal  # noqa: E402
 import tempfile  # noqa: E402
 
+import psutil  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
@@ -29,7 +31,12 @@ parser.add_argument("--results")
 parser.add_argument("--atexit-file", required=True)
 parser.add_argument("--fail", action="store_true")
 parser.add_argument("--exit", type=int)
+parser.add_argument("--exit-message")
 args = parser.parse_args()
+# The ports this process listens on before it opens any: a forked rank must not show
+# the agent's store sockets as its own.
+LISTENING_AT_START = [c.laddr.port for c in psutil.Process().net_connections("tcp")
+                      if c.status == psutil.CONN_LISTEN]  # fmt: skip
 
 
 def say_goodbye(rank: int) -> None:
@@ -51,6 +58,7 @@ with distributed() as ctx:
         "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
         "sigint_python": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
         "root_handlers": len(logging.root.handlers),
+        "listening_at_start": LISTENING_AT_START,
         "env": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")},
     }
     views = [None] * ctx.world_size
@@ -60,3 +68,5 @@ with distributed() as ctx:
         raise ValueError("deliberate failure on rank 1")
     if ctx.rank == 1 and args.exit is not None:
         sys.exit(args.exit)
+    if ctx.rank == 1 and args.exit_message is not None:
+        sys.exit(args.exit_message)
