@@ -2,7 +2,8 @@
 
 Its top level is what the lessons teach, one mechanism per module:
 ``runtime`` (ranks, devices, the process group), ``data_parallel`` (DataParallel
-from scratch), ``collectives`` (ring and parameter-server collectives from
+from scratch) with ``replica_plan`` (which DataParallel, on which devices),
+``collectives`` (ring and parameter-server collectives from
 point-to-point), ``comm_cost`` (the bytes each rank moves in them), ``partition``
 (which elements each rank owns), ``parameter_server`` (synchronous against
 asynchronous parameter-server SGD, simulated), ``sampler`` (a distributed sampler
@@ -10,23 +11,25 @@ from scratch), ``ddp`` (DistributedDataParallel from scratch: per-parameter and
 bucketed, overlapped with backward), ``pipeline`` (schedules, their simulation and
 their execution), ``tensor_parallel`` (Megatron-LM's column- and row-parallel MLP and attention),
 ``sequence_parallel`` (sequence parallelism and tensor-parallel Transformer
-blocks), ``parallel_rng`` (dropout random numbers per region and rank),
+blocks), ``parallel_gpt`` (TinyGPT split over tensor-parallel ranks and gathered
+back whole), ``parallel_rng`` (dropout random numbers per region and rank),
 ``mesh_layouts`` (TinyGPT's layouts on a device mesh with PyTorch's own
 parallelisms), ``mesh_model`` (a layout's training step) and ``mesh_predictions``
-(what each layout holds and runs),
+(what each layout holds and runs, and what a tensor-parallel block saves),
 ``sharding`` (ZeRO stages 1-3 and their memory and traffic),
 ``activation_memory``, ``activation_checkpoint``, ``recompute_policies`` and
 ``step_budget`` (what a step saves for backward, recomputing it, and a step's budget),
-``context_parallel`` with ``context_parallel_ulysses`` and ``context_parallel_cost``
-(ring attention, Ulysses, and their work and bytes per rank),
+``context_parallel`` (placement and masks, blockwise attention, the ring
+schedule, ring attention, Ulysses, and their work and bytes per rank),
 ``expert_parallel`` (a mixture of experts over ranks), ``checkpoint``,
 ``training`` (train and exact evaluation loops), ``data`` and ``models``.
 
 Two subpackages hold the rest: ``tools`` measures and diagnoses a job
 (``collective_log``, ``bench``, ``scaling``, ``trace``, ``monitor``, ``debug``,
 ``flops``, ``saved_tensors``, ``op_counts``, ``peak_memory``); ``harness`` runs the course
-(``launch`` and its parts, ``restarts``, ``multinode``, ``netns``, ``slurm``, the
-command line ``cli``, ``gpu_check`` and the notebooks' ``notebook`` helpers).
+(``launch`` and its parts, ``restarts``, ``multinode``, ``netns``, ``slurm`` and their
+parts, the command line ``cli``, ``gpu_check`` and its parts, and the notebooks'
+``notebook`` helpers).
 """
 
 __version__ = "0.1.0"

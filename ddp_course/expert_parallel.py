@@ -59,7 +59,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .tensor_parallel import FeedForward
+from .models import FeedForward
 
 __all__ = [
     "AllToAll",

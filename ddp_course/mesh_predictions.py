@@ -4,7 +4,11 @@
 rank holds (the ZeRO rule), :func:`expected_collectives` how many all-gathers,
 reduce-scatters, all-reduces, broadcasts, sends and receives one training step makes on
 each mesh dimension. Notebook 13 checks both against what a step measures
-(:mod:`ddp_course.tools.mesh_counts`).
+(:mod:`ddp_course.tools.mesh_counts`). :func:`saved_block_bytes_formula` gives the bytes
+one rank's from-scratch tensor-parallel block
+(:class:`ddp_course.sequence_parallel.ParallelBlock`) saves for backward, with and
+without sequence parallelism, which notebook 13 compares with the bytes counted
+(:func:`ddp_course.tools.saved_tensors.saved_activation_bytes`).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from .mesh_layouts import Layout
 from .mesh_model import split_stages
 from .models import TinyGPT
 
-__all__ = ["expected_collectives", "expected_memory_bytes"]
+__all__ = ["expected_collectives", "expected_memory_bytes", "saved_block_bytes_formula"]
 
 
 def expected_collectives(
@@ -149,3 +153,46 @@ def expected_memory_bytes(model: TinyGPT, lay: Layout, element_size: int, stage:
         params += n // shard
     b = params * element_size
     return {"params": b, "grads": b, "optimizer": 2 * b}
+
+
+def saved_block_bytes_formula(
+    batch: int, seq: int, d_model: int, heads: int, world_size: int,
+    sequence_parallel: bool, element_size: int = 8, mask_size: int | None = None,
+) -> int:  # fmt: skip
+    """Bytes one rank's tensor-parallel block saves for backward (dropout > 0, ``flash=False``).
+
+    The block is :class:`ddp_course.sequence_parallel.ParallelBlock`.
+
+    Korthikanti et al. 2022, section 4 and table 2, count per layer, with
+    s = T, b = B, h = d, a heads, t = N, 2-byte activations and 1-byte
+    dropout masks: ``sbh(10 + 24/t) + 5as²b/t`` under tensor parallelism and
+    ``sbh·34/t + 5as²b/t`` with sequence parallelism. With ``e``-byte
+    activations and ``m``-byte masks the same terms are: replicated
+    ``sbh(4e + 2m)`` (the inputs of the two LayerNorms, of q/k/v and of fc1;
+    two dropout masks), split ``12e·sbh`` (q, k, v, the projection's input;
+    GELU's input, fc2's input) and ``(2e + m)as²b`` (softmax output, its
+    dropout mask and output), and, not in the paper, the LayerNorms' mean
+    and reciprocal standard deviation ``4e·sb`` (replicated) and the causal
+    mask, ``s²`` bytes (bool, the same for every sample). Sequence
+    parallelism divides the replicated terms by t as well. With e = 2, m = 1
+    the sbh terms are the paper's 10 + 24/t and 34/t.
+
+    Args:
+        element_size: bytes per activation element (8 for float64).
+        mask_size: bytes per dropout-mask element: 1 where dropout runs
+            PyTorch's fused kernel (CUDA: a bool mask); on the CPU dropout
+            multiplies by a scaled mask in the activations' dtype, so the
+            default is ``element_size``.
+
+    Returns:
+        Bytes per rank, to compare with what
+        ``ddp_course.tools.saved_tensors.saved_activation_bytes`` counts.
+    """
+    e, t = element_size, world_size
+    m = e if mask_size is None else mask_size
+    sbh, as2b, sb = seq * batch * d_model, heads * seq * seq * batch, seq * batch
+    replicated = (4 * e + 2 * m) * sbh + 4 * e * sb
+    split = 12 * e * sbh + (2 * e + m) * as2b
+    if sequence_parallel and t > 1:
+        return (replicated + split) // t + seq * seq
+    return replicated + split // t + seq * seq

@@ -18,13 +18,12 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from .tensor_parallel import FeedForward
-
 __all__ = [
     "MLP",
     "Block",
     "BuggyCNN",
     "CausalSelfAttention",
+    "FeedForward",
     "LayerStack",
     "SmallCNN",
     "TinyGPT",
@@ -186,6 +185,33 @@ def resnet18_mnist(num_classes: int = 10) -> nn.Module:
     return model
 
 
+class FeedForward(nn.Module):
+    """The Transformer's feed-forward (MLP) block on one process: ``fc2(act(fc1(x)))``.
+
+    Input ``float32 [*, d_model]``, hidden ``[*, hidden]`` (usually
+    4 x d_model), output ``float32 [*, d_model]``. The single-process
+    reference that :class:`ddp_course.tensor_parallel.ParallelFeedForward`
+    splits, and the module that ``parallelize_module`` splits with the plan
+    ``{"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}``.
+
+    Args:
+        d_model: input and output features.
+        hidden: hidden features.
+        activation: an element-wise module (default ``nn.GELU()``, as in
+            GPT-2 and Megatron-LM); it must act on each feature alone, or the
+            column split would be wrong.
+    """
+
+    def __init__(self, d_model: int, hidden: int, activation: nn.Module | None = None):
+        super().__init__()
+        self.fc1 = nn.Linear(d_model, hidden)
+        self.act = nn.GELU() if activation is None else activation
+        self.fc2 = nn.Linear(hidden, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with separate Q, K, V projections.
 
@@ -262,9 +288,8 @@ class CausalSelfAttention(nn.Module):
 class Block(nn.Module):
     """A pre-LayerNorm Transformer block (GPT-2): ``x + attn(ln1(x))``, then ``+ mlp(ln2(x))``.
 
-    Input and output ``[B, T, d_model]``. The MLP is
-    :class:`~ddp_course.tensor_parallel.FeedForward` with 4 d hidden
-    features and GELU, followed by dropout.
+    Input and output ``[B, T, d_model]``. The MLP is :class:`FeedForward`
+    with 4 d hidden features and GELU, followed by dropout.
 
     Args:
         d_model, n_heads, dropout, flash: as for :class:`CausalSelfAttention`.

@@ -39,9 +39,11 @@ apart.
 
 Layout: activations are ``[B, T, d]`` (batch first), so the sequence is
 dimension 1. :class:`ParallelBlock` turns a whole
-:class:`ddp_course.models.Block` into either form; :class:`ParallelGPT` does
-it for every block of a :class:`ddp_course.models.TinyGPT`, with the
-embeddings, final LayerNorm and head replicated.
+:class:`ddp_course.models.Block` into either form;
+:class:`ddp_course.parallel_gpt.ParallelGPT` does it for every block of a
+:class:`ddp_course.models.TinyGPT`, with the embeddings, final LayerNorm and
+head replicated. What a block saves for backward in either form is predicted by
+:func:`ddp_course.mesh_predictions.saved_block_bytes_formula`.
 """
 
 from __future__ import annotations
@@ -54,29 +56,20 @@ from torch import nn
 from torch.nn import functional
 
 from .parallel_rng import ParallelRNG, dropout_masks, region_seed
-from .tensor_parallel import (
-    ColumnParallelLinear,
-    ParallelAttention,
-    ParallelFeedForward,
-    RowParallelLinear,
-    gather_shards,
-)
+from .tensor_parallel import ColumnParallelLinear, ParallelAttention, ParallelFeedForward
 
 __all__ = [
     "GatherFromSequence",
     "GatherLinear",
     "ParallelBlock",
-    "ParallelGPT",
     "ReduceScatterToSequence",
     "all_reduce_sequence_parallel_grads",
     "gather_from_sequence",
-    "gather_full_state",
     "gather_linear",
     "gather_to_replicated",
     "reduce_scatter_to_sequence",
     "dropout_masks",
     "region_seed",
-    "saved_block_bytes_formula",
     "scatter_to_sequence",
     "sequence_parallel_parameters",
 ]
@@ -416,138 +409,3 @@ def all_reduce_sequence_parallel_grads(
     for p, g in zip(params, flat.split([p.numel() for p in params])):
         p.grad.copy_(g.view_as(p))
     return flat.numel()
-
-
-class ParallelGPT(nn.Module):
-    """:class:`ddp_course.models.TinyGPT` with every block a :class:`ParallelBlock`.
-
-    Token and position embeddings, the final LayerNorm and the head stay
-    replicated (whole on every rank; their gradients come out equal on every
-    rank, no communication). With ``sequence_parallel=True`` the embeddings'
-    output is split along T before the first block
-    (:func:`scatter_to_sequence`) and gathered after the last
-    (:func:`gather_to_replicated`). Input ``int64 [B, T]``, equal on every
-    rank; output logits ``[B, T, V]``, equal on every rank. Parameter names
-    are TinyGPT's, so :func:`gather_full_state` compares with it key by key.
-    Every block draws its sharded regions' dropout from one ``rng``
-    (:class:`ParallelRNG`; default ``ParallelRNG(rank=rank)``, seeded from
-    the default generator's seed), the embeddings' dropout (replicated) from
-    the default generator.
-
-    Raises:
-        ValueError: as :class:`ParallelBlock`; an input longer than ``seq_len``.
-    """
-
-    def __init__(
-        self,
-        model: nn.Module,
-        rank: int,
-        world_size: int,
-        group: dist.ProcessGroup | None = None,
-        sequence_parallel: bool = False,
-        rng: ParallelRNG | None = None,
-    ):
-        super().__init__()
-        self.seq_len, self.group = model.seq_len, group
-        self.rng = ParallelRNG(rank=rank) if rng is None else rng
-        self.sequence_parallel = sequence_parallel and world_size > 1
-        self.tok_emb, self.pos_emb = copy.deepcopy(model.tok_emb), copy.deepcopy(model.pos_emb)
-        self.drop = copy.deepcopy(model.drop)
-        self.blocks = nn.ModuleList(
-            ParallelBlock(b, rank, world_size, group, sequence_parallel, self.rng)
-            for b in model.blocks
-        )
-        self.ln_f, self.head = copy.deepcopy(model.ln_f), copy.deepcopy(model.head)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        seq = idx.shape[1]
-        if seq > self.seq_len:
-            raise ValueError(f"input of {seq} tokens is longer than seq_len={self.seq_len}")
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(torch.arange(seq, device=idx.device)))
-        if self.sequence_parallel:
-            x = scatter_to_sequence(x, self.group)
-        for block in self.blocks:
-            x = block(x)
-        if self.sequence_parallel:
-            x = gather_to_replicated(x, self.group)
-        return self.head(self.ln_f(x))
-
-
-def gather_full_state(
-    module: nn.Module, group: dist.ProcessGroup | None = None, grads: bool = False
-) -> dict[str, torch.Tensor]:
-    """Every parameter (or gradient) of a tensor-parallel module, whole, named as in one process.
-
-    Column-parallel weights and biases are gathered along dimension 0,
-    row-parallel weights along dimension 1 (:func:`gather_shards`);
-    everything else is this rank's replica, detached. A collective: call it
-    on every rank of ``group``.
-
-    Args:
-        module: a :class:`ParallelBlock`, :class:`ParallelGPT` or any module
-            holding column- and row-parallel layers.
-        group: the tensor-parallel process group.
-        grads: gather ``.grad`` instead of the values.
-
-    Returns:
-        ``{name: tensor}`` with the shapes of the whole model's parameters.
-
-    Raises:
-        ValueError: ``grads=True`` and a parameter has no gradient.
-    """
-
-    def value(p: nn.Parameter) -> torch.Tensor:
-        if grads and p.grad is None:
-            raise ValueError("a parameter has no gradient: run backward first")
-        return (p.grad if grads else p).detach()
-
-    full = {name: value(p) for name, p in module.named_parameters()}
-    for prefix, sub in module.named_modules():
-        if isinstance(sub, ColumnParallelLinear) and sub.world_size > 1:
-            full[f"{prefix}.weight"] = gather_shards(value(sub.weight), 0, group)
-            if sub.bias is not None:
-                full[f"{prefix}.bias"] = gather_shards(value(sub.bias), 0, group)
-        elif isinstance(sub, RowParallelLinear) and sub.world_size > 1:
-            full[f"{prefix}.weight"] = gather_shards(value(sub.weight), 1, group)
-    return full
-
-
-def saved_block_bytes_formula(
-    batch: int, seq: int, d_model: int, heads: int, world_size: int,
-    sequence_parallel: bool, element_size: int = 8, mask_size: int | None = None,
-) -> int:  # fmt: skip
-    """Bytes one rank's :class:`ParallelBlock` saves for backward (dropout > 0, ``flash=False``).
-
-    Korthikanti et al. 2022, section 4 and table 2, count per layer, with
-    s = T, b = B, h = d, a heads, t = N, 2-byte activations and 1-byte
-    dropout masks: ``sbh(10 + 24/t) + 5as²b/t`` under tensor parallelism and
-    ``sbh·34/t + 5as²b/t`` with sequence parallelism. With ``e``-byte
-    activations and ``m``-byte masks the same terms are: replicated
-    ``sbh(4e + 2m)`` (the inputs of the two LayerNorms, of q/k/v and of fc1;
-    two dropout masks), split ``12e·sbh`` (q, k, v, the projection's input;
-    GELU's input, fc2's input) and ``(2e + m)as²b`` (softmax output, its
-    dropout mask and output), and, not in the paper, the LayerNorms' mean
-    and reciprocal standard deviation ``4e·sb`` (replicated) and the causal
-    mask, ``s²`` bytes (bool, the same for every sample). Sequence
-    parallelism divides the replicated terms by t as well. With e = 2, m = 1
-    the sbh terms are the paper's 10 + 24/t and 34/t.
-
-    Args:
-        element_size: bytes per activation element (8 for float64).
-        mask_size: bytes per dropout-mask element: 1 where dropout runs
-            PyTorch's fused kernel (CUDA: a bool mask); on the CPU dropout
-            multiplies by a scaled mask in the activations' dtype, so the
-            default is ``element_size``.
-
-    Returns:
-        Bytes per rank, to compare with what
-        ``ddp_course.tools.saved_tensors.saved_activation_bytes`` counts.
-    """
-    e, t = element_size, world_size
-    m = e if mask_size is None else mask_size
-    sbh, as2b, sb = seq * batch * d_model, heads * seq * seq * batch, seq * batch
-    replicated = (4 * e + 2 * m) * sbh + 4 * e * sb
-    split = 12 * e * sbh + (2 * e + m) * as2b
-    if sequence_parallel and t > 1:
-        return (replicated + split) // t + seq * seq
-    return replicated + split // t + seq * seq

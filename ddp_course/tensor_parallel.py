@@ -25,8 +25,8 @@ Two *conjugate* operators place the communication (the paper's f and g):
 So a block costs one all-reduce of the block's output ``[B, d]`` in forward
 and one of its input gradient ``[B, d]`` in backward, whatever N is, while
 each rank stores and multiplies 1/N of the weights. :class:`ParallelFeedForward`
-builds the block from a whole :class:`FeedForward`, so a test can compare every
-output and gradient with the single-process block.
+builds the block from a whole :class:`ddp_course.models.FeedForward`, so a test
+can compare every output and gradient with the single-process block.
 
 Attention splits the same way, by heads (section 3, figure 3(b)):
 :class:`ParallelAttention` keeps whole heads of column-parallel Q, K and V on
@@ -55,13 +55,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional
 
+from .models import FeedForward
 from .parallel_rng import ParallelRNG, region_seed
 from .partition import check_rank, partition
 
 __all__ = [
     "ColumnParallelLinear",
     "CopyToParallel",
-    "FeedForward",
     "ParallelAttention",
     "ParallelFeedForward",
     "ParallelRNG",
@@ -292,33 +292,6 @@ class RowParallelLinear(nn.Module):
             f"in_features={self.in_features} (this shard: {self.weight.shape[1]}), "
             f"out_features={self.out_features}, rank={self.rank}/{self.world_size}"
         )
-
-
-class FeedForward(nn.Module):
-    """The Transformer's feed-forward (MLP) block on one process: ``fc2(act(fc1(x)))``.
-
-    Input ``float32 [*, d_model]``, hidden ``[*, hidden]`` (usually
-    4 x d_model), output ``float32 [*, d_model]``. The single-process
-    reference that :class:`ParallelFeedForward` splits, and the module that
-    ``parallelize_module`` splits with the plan
-    ``{"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}``.
-
-    Args:
-        d_model: input and output features.
-        hidden: hidden features.
-        activation: an element-wise module (default ``nn.GELU()``, as in
-            GPT-2 and Megatron-LM); it must act on each feature alone, or the
-            column split would be wrong.
-    """
-
-    def __init__(self, d_model: int, hidden: int, activation: nn.Module | None = None):
-        super().__init__()
-        self.fc1 = nn.Linear(d_model, hidden)
-        self.act = nn.GELU() if activation is None else activation
-        self.fc2 = nn.Linear(hidden, d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
 
 
 class ParallelFeedForward(nn.Module):

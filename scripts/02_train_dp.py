@@ -28,6 +28,7 @@ from ddp_course import data_parallel, runtime
 from ddp_course.checkpoint import load_checkpoint, save_checkpoint
 from ddp_course.data import load_mnist
 from ddp_course.models import SmallCNN
+from ddp_course.replica_plan import ReplicaPlan, plan_replicas
 from ddp_course.runtime import distributed, get_logger, seed_everything
 from ddp_course.tools.monitor import memory_bytes
 from ddp_course.tools.records import write_results
@@ -60,9 +61,7 @@ def parse_args():
     return cfg, replicas, impl
 
 
-def replica_plan(
-    impl: str, replicas: int | None, device: torch.device
-) -> data_parallel.ReplicaPlan:
+def replica_plan(impl: str, replicas: int | None, device: torch.device) -> ReplicaPlan:
     """Implementation and devices: one GPU per replica, or CPU threads.
 
     ``device`` is where the launcher's plan puts this process; ``cpu`` there
@@ -71,12 +70,12 @@ def replica_plan(
     """
     gpus = runtime.gpu_count() if device.type == "cuda" else 0
     try:
-        return data_parallel.plan_replicas(impl, replicas, gpus)
+        return plan_replicas(impl, replicas, gpus)
     except ValueError as error:
         raise SystemExit(f"--impl {impl}: {error}") from None
 
 
-def wrap(model: nn.Module, plan: data_parallel.ReplicaPlan) -> nn.Module:
+def wrap(model: nn.Module, plan: ReplicaPlan) -> nn.Module:
     if plan.impl == "torch":
         return nn.DataParallel(model, device_ids=[d.index for d in plan.devices])
     return data_parallel.DataParallel(model, devices=plan.devices)

@@ -28,6 +28,7 @@ from torch.nn.functional import mse_loss
 
 from ddp_course import comm_cost
 from ddp_course import tensor_parallel as tp
+from ddp_course.models import FeedForward
 from ddp_course.runtime import distributed, get_logger
 from ddp_course.tools.collective_log import CollectiveLog
 from ddp_course.tools.records import write_results
@@ -45,7 +46,7 @@ def parse_args():
 
 def whole_stack(args):
     torch.manual_seed(0)  # the same weights on every rank
-    return nn.Sequential(*[tp.FeedForward(args.d_model, args.hidden) for _ in range(args.blocks)])
+    return nn.Sequential(*[FeedForward(args.d_model, args.hidden) for _ in range(args.blocks)])
 
 
 def forward_backward(model, x, target):

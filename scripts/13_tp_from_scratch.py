@@ -25,7 +25,9 @@ import torch.distributed as dist
 from ddp_course import sequence_parallel as sp
 from ddp_course import tensor_parallel as tp
 from ddp_course.data import lm_batch, shakespeare_bytes
+from ddp_course.mesh_predictions import saved_block_bytes_formula
 from ddp_course.models import Block, TinyGPT, lm_loss
+from ddp_course.parallel_gpt import ParallelGPT, gather_full_state
 from ddp_course.runtime import distributed, get_logger
 from ddp_course.tools.collective_log import CollectiveLog
 from ddp_course.tools.records import write_results
@@ -83,7 +85,7 @@ def block_check(args, ctx, sequence_parallel):
     with log.recording("after backward"):
         sp.all_reduce_sequence_parallel_grads(par)  # nothing to do without SP
     part = my_part if sequence_parallel else (lambda t, _: t)
-    grads = sp.gather_full_state(par, grads=True)
+    grads = gather_full_state(par, grads=True)
     diffs = {"output": max_diff(out, part(ref(x), ctx), BLOCK_TOL),
              "input gradient": max_diff(part(x_par.grad, ctx), part(x.grad, ctx), BLOCK_TOL),
              "parameter gradients": max(max_diff(grads[n], q.grad, BLOCK_TOL)
@@ -127,8 +129,8 @@ def text_batch(args, device):
 
 def train(args, ctx, sequence_parallel, model_seed=0, reduce_sp_grads=True):
     """--steps SGD steps on one batch; the gathered parameters and one step's collectives."""
-    par = sp.ParallelGPT(whole_gpt(args, ctx.device, model_seed), ctx.rank, ctx.world_size,
-                         sequence_parallel=sequence_parallel)  # fmt: skip
+    par = ParallelGPT(whole_gpt(args, ctx.device, model_seed), ctx.rank, ctx.world_size,
+                      sequence_parallel=sequence_parallel)  # fmt: skip
     opt = torch.optim.SGD(par.parameters(), lr=args.lr)
     x, y = text_batch(args, ctx.device)
     log, losses = CollectiveLog(), []
@@ -141,7 +143,7 @@ def train(args, ctx, sequence_parallel, model_seed=0, reduce_sp_grads=True):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return sp.gather_full_state(par), log.summary("step 0"), losses, par
+    return gather_full_state(par), log.summary("step 0"), losses, par
 
 
 def reference_training(args, device):
@@ -188,7 +190,7 @@ def dropout_lab(args, ctx, seed=7):
                 dropout=0.5,
                 flash=False,
             ).double()
-            par = sp.ParallelGPT(
+            par = ParallelGPT(
                 whole.to(ctx.device),
                 ctx.rank,
                 ctx.world_size,
@@ -241,7 +243,7 @@ def saved_block_bytes(args, ctx, seq_par):
                    [args.batch_size * args.seq_len, args.d_model]]  # fmt: skip
     # CUDA's fused dropout keeps a 1-byte mask; the CPU's a float64 one.
     mask = 1 if ctx.device.type == "cuda" else 8
-    formula = sp.saved_block_bytes_formula(
+    formula = saved_block_bytes_formula(
         args.batch_size, args.seq_len, args.d_model, args.heads, ctx.world_size, seq_par, 8, mask
     )
     return {"bytes": out["bytes"], "formula": formula,
@@ -294,7 +296,7 @@ def main():
         labs = {}
         replicated = ["tok_emb.weight", "pos_emb.weight", "blocks.0.ln1.weight", "head.weight"]
         for case, seed in (("seed + rank", ctx.rank), ("same seed", 0)):
-            par = sp.ParallelGPT(whole_gpt(args, ctx.device, seed), ctx.rank, n)
+            par = ParallelGPT(whole_gpt(args, ctx.device, seed), ctx.rank, n)
             one = dict(whole_gpt(args, ctx.device, 0).named_parameters())
             mine = dict(par.named_parameters())
             # This rank's replicated copies against the one-process model, on every rank.

@@ -10,9 +10,10 @@ tokens, contiguous or zig-zag. Ring attention, DeepSpeed-Ulysses and the
 all-gather version each compute this rank's attention; the script compares
 the output and the q, k, v gradients with scaled_dot_product_attention on the
 whole sequence in one process (float64 and float32, causal and with packed
-documents), counts the block products each rank computes (by wrapping
-block_attention) and the bytes each rank sends in forward and backward (with
-the course's CollectiveLog: every send and all-to-all), shows four
+documents), counts the block products each rank computes (ring attention
+given a counting block attention, RingOps) and the bytes each rank sends in
+forward and backward (with the course's CollectiveLog: every send and
+all-to-all), shows four
 mistakes (document boundaries ignored; a causal mask per chunk; documents
 numbered per rank; torch's deprecated differentiable all_gather), tries
 PyTorch's own context_parallel, measures ring attention in bfloat16
@@ -22,7 +23,6 @@ Results go to --results (rank 0).
 """
 
 import argparse
-import contextlib
 import warnings
 
 import torch
@@ -79,8 +79,7 @@ def documents(t):
     return torch.tensor(ids[:t])
 
 
-def max_diffs(ctx, args, fn, dtype, layout="contiguous", docs=None, ref_docs="same",
-              mistake=contextlib.nullcontext, **kw):  # fmt: skip
+def max_diffs(ctx, args, fn, dtype, layout="contiguous", docs=None, ref_docs="same", **kw):
     """Largest |ours - one process| of the output and of the q, k, v gradients on this rank."""
     ref_docs = docs if ref_docs == "same" else ref_docs
     q, k, v, grad = whole(args, ctx.world_size, dtype, ctx.device, kw.pop("batch", None),
@@ -94,23 +93,17 @@ def max_diffs(ctx, args, fn, dtype, layout="contiguous", docs=None, ref_docs="sa
 
     # NEW: each rank holds T/P tokens; the ranks exchange keys and values.
     local = [mine(x).clone().requires_grad_() for x in (q, k, v)]
-    with mistake():  # around the attention only: the sharding above stays right
-        out = fn(*local, causal=True, layout=layout, document_ids=docs, **kw)
-        (out * mine(grad)).sum().backward()
+    out = fn(*local, causal=True, layout=layout, document_ids=docs, **kw)
+    (out * mine(grad)).sum().backward()
     pairs = [(out, mine(ref))] + [(a.grad, mine(b.grad)) for a, b in zip(local, ref_in)]
     return dict(zip(["output", "dq", "dk", "dv"], ((a - b).abs().max().item() for a, b in pairs)))
 
 
-@contextlib.contextmanager
 def every_chunk_starts_the_sequence():
     """The mistake: each rank numbers its tokens from 0, as if its chunk began the sequence,
-    so every block gets a causal triangle of its own."""
-    segments = cp.sequence_segments
-    cp.sequence_segments = lambda rank, p, t, layout="contiguous": segments(0, p, t, layout)
-    try:
-        yield
-    finally:
-        cp.sequence_segments = segments
+    so every block gets a causal triangle of its own (ring attention's pieces with that
+    placement; only the ring's masks use it, the sharding stays right)."""
+    return cp.RingOps(segments=lambda rank, p, t, layout: cp.sequence_segments(0, p, t, layout))
 
 
 def numbered_per_rank(docs, world_size):
@@ -123,21 +116,16 @@ def numbered_per_rank(docs, world_size):
     return torch.cat(ids)
 
 
-@contextlib.contextmanager
 def counting_blocks(log):
-    """Block products this rank computes, and their visible query-key pairs."""
-    block = cp.block_attention
+    """Ring attention's pieces with a block attention that adds to ``log`` each block
+    product this rank computes and its visible query-key pairs."""
 
     def block_counted(q, k, v, mask):
         log["blocks"] += 1
         log["visible"] += q.shape[2] * k.shape[2] if mask is None else int(mask.sum())
-        return block(q, k, v, mask)
+        return cp.block_attention(q, k, v, mask)
 
-    cp.block_attention = block_counted
-    try:
-        yield
-    finally:
-        cp.block_attention = block
+    return cp.RingOps(block=block_counted)
 
 
 def counted(ctx, args, fn, layout="contiguous"):
@@ -149,8 +137,10 @@ def counted(ctx, args, fn, layout="contiguous"):
 
     local = [mine(x).requires_grad_() for x in (q, k, v)]
     log, sends = {"blocks": 0, "visible": 0}, CollectiveLog()
-    with counting_blocks(log), sends.recording("forward"):
-        out = fn(*local, causal=True, layout=layout)
+    # Only the ring computes blocks; Ulysses' count stays 0.
+    kw = {"ops": counting_blocks(log)} if fn is cp.ring_attention else {}
+    with sends.recording("forward"):
+        out = fn(*local, causal=True, layout=layout, **kw)
     with sends.recording("backward"):
         (out * mine(grad)).sum().backward()
     # A ring passes blocks by send and receive, Ulysses by all-to-all: the bytes that leave.
@@ -281,7 +271,7 @@ def main():
             ),  # fmt: skip
             "documents masked": max_diffs(ctx, args, cp.ring_attention, torch.float64, docs=docs),
             "causal mask per chunk": max_diffs(ctx, args, cp.ring_attention, torch.float64,
-                                               mistake=every_chunk_starts_the_sequence),
+                                               ops=every_chunk_starts_the_sequence()),
             "documents numbered per rank": max_diffs(
                 ctx, args, cp.ring_attention, torch.float64, docs=numbered_per_rank(docs, n),
                 ref_docs=docs),

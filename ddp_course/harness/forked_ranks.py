@@ -37,7 +37,6 @@ import socket
 import stat
 import sys
 import tempfile
-import traceback
 from collections.abc import Callable, Mapping
 
 __all__ = [
@@ -167,7 +166,9 @@ def rank_entrypoint(tempdir: str | None) -> Callable[..., None]:
             print(stop.code, file=sys.stderr)
             raise SystemExit(1) from None
         except BaseException:
-            traceback.print_exc()
+            # What Python does with an uncaught exception: torch's distributed
+            # excepthook, when a process group set it, prefixes each line with the rank.
+            sys.excepthook(*sys.exc_info())
             raise
         finally:
             sys.stderr.flush()

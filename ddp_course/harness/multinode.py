@@ -20,7 +20,8 @@ folder, optionally each in a network namespace of its own
 does: a timeout kills every process of every node and names where each rank
 was stuck; a failure raises :class:`~ddp_course.harness.launch.LaunchError` naming the
 rank and the node; rendezvous problems (wrong endpoint, one node missing)
-are said in words with what to fix. See
+are said in words with what to fix (what the nodes wrote is read back by
+:mod:`ddp_course.harness.multinode_logs`). See
 https://pytorch.org/docs/stable/elastic/run.html for torchrun's flags.
 """
 
@@ -30,7 +31,6 @@ import dataclasses
 import json
 import os
 import pathlib
-import re
 import shlex
 import signal
 import subprocess
@@ -42,7 +42,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..runtime import DEVICE_ENV
-from . import failures, forked_ranks, jobs, launch
+from . import failures, forked_ranks, jobs, launch, multinode_logs
 
 __all__ = [
     "SIMULATED_NODES_DEVICE",
@@ -118,43 +118,6 @@ class MultiNodeResult:
     wall_s: float
 
 
-# Each worker line the agent echoes starts with this prefix (torchrun's
-# TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE): local rank, then global rank.
-_LINE_PREFIX_TEMPLATE = "[${role_name}${local_rank}|${rank}]:"
-_LINE_PREFIX = re.compile(r"^\[[A-Za-z_]*?(\d+)\|(\d+)\]:", re.MULTILINE)
-_RDZV_FAILED = ("RendezvousConnectionError", "RendezvousTimeoutError", "RendezvousClosedError")
-
-
-def global_ranks(agent_output: str, nproc: int) -> list[int] | None:
-    """The global ranks of a node's ``nproc`` workers, read from its agent's output; None
-    when no worker line names them.
-
-    The last line of local rank 0 names its global rank; torchelastic gives a node's
-    workers consecutive global ranks, in local-rank order."""
-    found = [(int(lr), int(gr)) for lr, gr in _LINE_PREFIX.findall(agent_output)]
-    first = [gr - lr for lr, gr in found]
-    if not first:
-        return None
-    return list(range(first[-1], first[-1] + nproc))
-
-
-def _last_attempt_logs(log_dir: pathlib.Path) -> dict[int, str]:
-    # The workers' logs of the newest attempt folder only: a rank's global
-    # rank can change from one rendezvous round to the next.
-    attempts = sorted(log_dir.glob("*/attempt_*"), key=lambda p: p.stat().st_mtime)
-    if not attempts:
-        return {}
-    logs = {}
-    for rank_dir in sorted(attempts[-1].iterdir()):
-        if rank_dir.name.isdigit():
-            logs[int(rank_dir.name)] = "".join(
-                (rank_dir / n).read_text(errors="replace")
-                for n in ("stdout.log", "stderr.log")
-                if (rank_dir / n).exists()
-            )
-    return logs
-
-
 def _agent_cmd(
     node: Node,
     nnodes: str,
@@ -206,19 +169,6 @@ def _shown_command(
         f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}", f"--local-addr={node.addr}",
         *extra, *node.torchrun_args, jobs.shown_path(script), *args,
     ])  # fmt: skip
-
-
-def _explain(i: int, node: Node, output: str, endpoint: str) -> str:
-    """What a failed agent's own output says went wrong, in words, with the fix."""
-    if any(name in output for name in _RDZV_FAILED):
-        return (
-            f"node {i} could not complete the rendezvous at {endpoint}: nothing answered "
-            "there, or not every node joined in time. Check that every node uses the "
-            "same --rdzv-endpoint (the address and port of the first node, reachable "
-            "from every node), the same --rdzv-id and the same --nnodes, and that the "
-            "first node was started."
-        )
-    return ""
 
 
 def torchrun_nodes(
@@ -322,7 +272,7 @@ def torchrun_nodes(
     if echo:
         print(f"{len(nodes)} simulated nodes: running on CPU with gloo because "
               f"{SIMULATED_NODES_REASON}", flush=True)  # fmt: skip
-    env.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", _LINE_PREFIX_TEMPLATE)
+    env.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", multinode_logs.LINE_PREFIX_TEMPLATE)
     # A fresh store for the workers at every rendezvous round, instead of the
     # agents' shared one. With the shared store, keys of a dead round stay
     # readable; runtime.distributed() keys them by TORCHELASTIC_RESTART_COUNT,
@@ -425,7 +375,7 @@ def _run_nodes(
         for proc, _, _ in running.values():
             jobs.dump_python_stacks(proc, script)
         _stop_all(running)
-        node_logs = _node_logs(logs_root, len(nodes))
+        node_logs = multinode_logs.node_logs(logs_root, len(nodes))
         never = [i for i in range(len(nodes)) if not node_logs.get(i)]
         hint = ""
         if never:
@@ -443,19 +393,19 @@ def _run_nodes(
         error = launch.LaunchTimeout(
             f"{script.name} {why} on {len(nodes)} node(s); "
             f"every process of every node was killed.{hint}{where}",
-            None, -signal.SIGKILL, _flatten(node_logs, running, nodes),
+            None, -signal.SIGKILL, multinode_logs.by_global_rank(node_logs, running, nodes),
         )  # fmt: skip
         error.agent_output = {i: output(i) for i in range(len(nodes))}  # type: ignore[attr-defined]
         raise error from None
     finally:
         _stop_all(running)
     wall_s = time.perf_counter() - start
-    node_logs = _node_logs(logs_root, len(nodes))
+    node_logs = multinode_logs.node_logs(logs_root, len(nodes))
     outputs = {i: output(i) for i in range(len(nodes))}
-    logs = _flatten(node_logs, running, nodes, logs_root)
+    logs = multinode_logs.by_global_rank(node_logs, running, nodes, logs_root)
     if first_failure is not None or any(codes.get(i, 1) != 0 for i in range(len(nodes))):
         i = first_failure if first_failure is not None else 0
-        why = _explain(i, nodes[i], outputs[i], endpoint)
+        why = multinode_logs.explain(i, outputs[i], endpoint)
         rank = failures.failing_rank(outputs[i], logs)
         if why:
             message = f"{script.name} failed: {why}\n--- end of node {i}'s agent ---\n" + "\n".join(
@@ -478,7 +428,9 @@ def _run_nodes(
             raise launch.LaunchError(f"{script.name} exited cleanly but wrote no --results file",
                                      None, 0, logs)  # fmt: skip
         data = json.loads(results_path.read_text())
-    ranks = {i: global_ranks(outputs[i], nodes[i].nproc) or [] for i in range(len(nodes))}
+    ranks = {
+        i: multinode_logs.global_ranks(outputs[i], nodes[i].nproc) or [] for i in range(len(nodes))
+    }
     print(f"{script.name} finished on {len(nodes)} nodes in {wall_s:.1f} s", flush=True)
     return MultiNodeResult(logs, node_logs, ranks, outputs, data, wall_s)
 
@@ -494,27 +446,3 @@ def _stop_all(running: Mapping[int, tuple[subprocess.Popen, Any, list[str]]]) ->
         stopper.join()
     for _, reader, _ in running.values():
         reader.join(timeout=5)
-
-
-def _node_logs(logs_root: pathlib.Path, n: int) -> dict[int, dict[int, str]]:
-    return {i: failures.read_rank_logs(logs_root / f"node{i}") for i in range(n)}
-
-
-def _flatten(
-    node_logs: Mapping[int, Mapping[int, str]],
-    running: Mapping[int, tuple[subprocess.Popen, Any, list[str]]],
-    nodes: Sequence[Node],
-    logs_root: pathlib.Path | None = None,
-) -> dict[int, str]:
-    """Per-rank logs keyed by global rank, from each node's last rendezvous round
-    (node index x nproc + local rank where a node's ranks are unknown)."""
-    logs: dict[int, str] = {}
-    for i, local in node_logs.items():
-        nproc = nodes[i].nproc
-        ranks = global_ranks("".join(running[i][2]), nproc) if i in running else None
-        ranks = ranks or list(range(i * nproc, (i + 1) * nproc))
-        last = _last_attempt_logs(logs_root / f"node{i}") if logs_root is not None else local
-        for local_rank, text in (last or local).items():
-            if local_rank < len(ranks):
-                logs[ranks[local_rank]] = text
-    return logs

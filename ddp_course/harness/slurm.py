@@ -15,8 +15,10 @@ daemons and removes every file it made::
 
 What it needs: Linux, Debian's ``slurm-wlm`` and ``munge`` packages (installed
 with ``apt-get`` when missing and running as root) and root, because slurmd
-starts every job as the user who submitted it. Each thing that is missing
-raises :class:`SlurmUnavailable` with what to do; a test turns it into a skip.
+starts every job as the user who submitted it (:mod:`ddp_course.harness.slurm_install`
+checks and installs them). Each thing that is missing raises
+:class:`~ddp_course.harness.slurm_install.SlurmUnavailable` with what to do; a test turns it
+into a skip. A job's state and outcome are read as :mod:`ddp_course.harness.slurm_jobs` says.
 
 The configuration follows the Slurm documentation (https://slurm.schedmd.com/
 slurm.conf.html, https://slurm.schedmd.com/quickstart_admin.html) with the
@@ -31,7 +33,6 @@ seconds.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import os
 import pathlib
@@ -47,122 +48,19 @@ from collections.abc import Iterator, Mapping, Sequence
 import psutil
 
 from .ports import free_port
+from .slurm_install import SlurmUnavailable, install_packages, missing_commands, tail
+from .slurm_jobs import FINAL_STATES, JobResult, SlurmJobError, epoch_s, parse_record
 
-__all__ = [
-    "DAEMONS",
-    "PACKAGES",
-    "JobResult",
-    "LocalSlurm",
-    "SlurmJobError",
-    "SlurmUnavailable",
-    "install_packages",
-    "missing_commands",
-]
+__all__ = ["CRED_EXPIRE_S", "DAEMONS", "LocalSlurm"]
 
-PACKAGES = ("slurm-wlm", "munge")
-"""Debian packages that provide the daemons and the client commands."""
-
-_COMMANDS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "srun")
 DAEMONS = ("munged", "slurmctld", "slurmd", "slurmstepd", "slurmscriptd")
 """Names of the processes a cluster runs; none of ours is left after exit."""
 
-# States in which a job is over (https://slurm.schedmd.com/squeue.html#SECTION_JOB-STATE-CODES).
-_FINAL_STATES = frozenset({
-    "BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL",
-    "OUT_OF_MEMORY", "PREEMPTED", "TIMEOUT",
-})  # fmt: skip
 _COMMAND_TIMEOUT_S = 30.0  # one client command (sbatch, scontrol, scancel); they answer in ms
-
-
-class SlurmUnavailable(RuntimeError):
-    """Slurm cannot run here; the message says what is missing and what to do."""
-
 
 CRED_EXPIRE_S = 5
 """Seconds a job credential lives (slurm.conf ``AuthInfo=cred_expire``); also the
 wait before a requeued job may start again (https://slurm.schedmd.com/slurm.conf.html)."""
-
-
-class SlurmJobError(RuntimeError):
-    """A job did not complete: it failed, was cancelled or ran past the wait.
-
-    Attributes:
-        job_id: Slurm's job id.
-        state: the job's last state (``FAILED``, ``TIMEOUT``, ... or
-            ``"WAIT_TIMEOUT"`` when :meth:`LocalSlurm.wait` gave up).
-        output: the text of the job's output file (stdout and stderr).
-    """
-
-    def __init__(self, message: str, job_id: int, state: str, output: str):
-        super().__init__(message)
-        self.job_id, self.state, self.output = job_id, state, output
-
-
-@dataclasses.dataclass(frozen=True)
-class JobResult:
-    """A job that completed with exit code 0.
-
-    Attributes:
-        job_id: Slurm's job id.
-        state: ``"COMPLETED"``.
-        output: the text of the job's output file (stdout and stderr).
-        wall_s: seconds from :meth:`LocalSlurm.sbatch` to the end of the
-            wait, queueing included.
-        restarts: how many times Slurm requeued the job (``Restarts=``).
-    """
-
-    job_id: int
-    state: str
-    output: str
-    wall_s: float
-    restarts: int
-
-
-def missing_commands() -> list[str]:
-    """The Slurm and MUNGE commands not found on ``PATH`` (with ``/usr/sbin``)."""
-    path = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
-    return [name for name in _COMMANDS if shutil.which(name, path=path) is None]
-
-
-def _tail(text: str, lines: int = 30) -> str:
-    return "\n".join(text.strip().splitlines()[-lines:])
-
-
-def install_packages(timeout_s: float = 600.0) -> float:
-    """Install :data:`PACKAGES` with ``apt-get`` (as root, no prompts).
-
-    Returns:
-        Seconds the install took (``apt-get update`` included).
-
-    Raises:
-        SlurmUnavailable: not root, no ``apt-get`` (not Debian or Ubuntu), or
-            ``apt-get`` failed or ran past ``timeout_s`` seconds; the message
-            holds the command to run by hand and the end of apt's output.
-    """
-    by_hand = "apt-get install -y " + " ".join(PACKAGES)
-    if os.name != "posix" or os.geteuid() != 0:
-        raise SlurmUnavailable(f"Slurm is not installed and this is not root: run `sudo {by_hand}`")
-    if shutil.which("apt-get") is None:
-        raise SlurmUnavailable(
-            "Slurm is not installed and there is no apt-get here (not Debian or Ubuntu): "
-            "install slurm-wlm and munge with this system's package manager"
-        )
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    start = time.perf_counter()
-    for cmd in (
-        ["apt-get", "update", "-q"],
-        ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES],
-    ):
-        try:
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            raise SlurmUnavailable(f"`{' '.join(cmd)}` ran past {timeout_s:.0f} s") from None
-        if done.returncode != 0:
-            raise SlurmUnavailable(
-                f"`{' '.join(cmd)}` failed (exit {done.returncode}); run `{by_hand}` by hand.\n"
-                + _tail(done.stdout + done.stderr, 15)
-            )
-    return time.perf_counter() - start
 
 
 def _node_line() -> str:
@@ -177,25 +75,12 @@ def _node_line() -> str:
     return line
 
 
-def _epoch_s(stamp: str) -> float | None:
-    # scontrol prints times as local time to the second, e.g. 2026-11-27T01:03:58.
-    try:
-        return time.mktime(time.strptime(stamp, "%Y-%m-%dT%H:%M:%S"))
-    except ValueError:
-        return None  # "Unknown", "None" or empty
-
-
-def _fields(text: str) -> dict[str, str]:
-    # scontrol -o prints one record as Key=Value pairs separated by spaces.
-    return dict(item.split("=", 1) for item in text.split() if "=" in item)
-
-
 class LocalSlurm:
     """A one-node Slurm cluster in a temporary folder, as a context manager.
 
     Args:
-        install: install :data:`PACKAGES` with apt-get when commands are
-            missing (root only); otherwise raise.
+        install: install :data:`~ddp_course.harness.slurm_install.PACKAGES` with apt-get
+            when commands are missing (root only); otherwise raise.
         start_timeout_s: seconds to wait for each daemon and for the node to
             become idle.
 
@@ -380,7 +265,7 @@ class LocalSlurm:
                        if p.exists())  # fmt: skip
         raise SlurmUnavailable(
             f"{name} {why} within {self.start_timeout_s:.0f} s; the end of its log:\n"
-            + (_tail(text, 20) or "(empty)")
+            + (tail(text, 20) or "(empty)")
         )
 
     def _controller_up(self) -> bool:
@@ -388,7 +273,7 @@ class LocalSlurm:
 
     def _node_idle(self) -> bool:
         done = self._run(["scontrol", "-o", "show", "node", self.node], check=False, timeout_s=3)
-        return _fields(done.stdout).get("State", "").startswith("IDLE")
+        return parse_record(done.stdout).get("State", "").startswith("IDLE")
 
     # --- jobs -------------------------------------------------------------------
 
@@ -425,7 +310,7 @@ class LocalSlurm:
     def job_state(self, job_id: int) -> dict[str, str]:
         """``scontrol show job`` of one job as ``{Key: Value}`` (``JobState``,
         ``ExitCode``, ``Restarts``, ...); empty once Slurm forgot the job."""
-        return _fields(
+        return parse_record(
             self._run(["scontrol", "-o", "show", "job", str(job_id)], check=False).stdout
         )
 
@@ -450,7 +335,7 @@ class LocalSlurm:
         while time.monotonic() < deadline:
             fields = self.job_state(job_id) or fields
             state = fields.get("JobState", "UNKNOWN")
-            if state in _FINAL_STATES:
+            if state in FINAL_STATES:
                 break
             time.sleep(0.2)
         else:
@@ -461,14 +346,14 @@ class LocalSlurm:
             # A job that fails before its first line leaves nothing in its output;
             # the daemons' view of it is then the only clue.
             daemons = "".join(
-                f"\nthe end of {name}.log about job {job_id}:\n" + (_tail(lines, 8) or "(none)")
+                f"\nthe end of {name}.log about job {job_id}:\n" + (tail(lines, 8) or "(none)")
                 for name in ("slurmctld", "slurmd")
                 for lines in [self._log_lines(name, str(job_id))]
             )
             raise SlurmJobError(
                 f"job {job_id} ended {state} (exit code {fields.get('ExitCode', '?')}, "
                 f"reason {fields.get('Reason', '?')}); the end of its output:\n"
-                + (_tail(output) or "(empty)") + daemons,
+                + (tail(output) or "(empty)") + daemons,
                 job_id, state, output,
             )  # fmt: skip
         wall_s = time.perf_counter() - self._submitted.get(job_id, time.perf_counter())
@@ -504,7 +389,7 @@ class LocalSlurm:
             time.sleep(0.1)
         fields = self.job_state(job_id)
         ended = (
-            _epoch_s(fields.get("EndTime", "")) if fields.get("JobState") in _FINAL_STATES else None
+            epoch_s(fields.get("EndTime", "")) if fields.get("JobState") in FINAL_STATES else None
         )
         self._run(["scontrol", "requeue", str(job_id)])
         deadline = time.monotonic() + _COMMAND_TIMEOUT_S

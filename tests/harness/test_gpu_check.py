@@ -14,9 +14,10 @@ import time
 import pytest
 
 from ddp_course import runtime
-from ddp_course.harness import gpu_check, gpu_plan, gpu_reports
+from ddp_course.harness import gpu_check, gpu_plan, gpu_reports, gpu_summary
 from ddp_course.harness.cli import main
-from ddp_course.harness.gpu_check import NOT_STARTED, RESULTS_ENV
+from ddp_course.harness.gpu_check import RESULTS_ENV
+from ddp_course.harness.gpu_reports import NOT_STARTED
 
 
 def test_without_a_gpu_it_says_so_in_one_line_and_runs_nothing(monkeypatch, capsys, tmp_path):
@@ -28,7 +29,7 @@ def test_without_a_gpu_it_says_so_in_one_line_and_runs_nothing(monkeypatch, caps
     monkeypatch.setattr(gpu_check.subprocess, "Popen", must_not_run)
     monkeypatch.setattr(gpu_check, "machine_info", must_not_run)
     out = tmp_path / "out"
-    assert main(["gpu-check", "--out", str(out)]) == gpu_check.EXIT_NO_GPU != 0
+    assert main(["gpu-check", "--out", str(out)]) == gpu_summary.EXIT_NO_GPU != 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 1 and lines[0].startswith("gpu-check: no CUDA GPU is visible here")
     assert "nothing was run" in lines[0]
@@ -66,12 +67,12 @@ def test_machine_info_names_the_versions_and_gpus():
     ],
 )
 def test_the_results_folder_is_named_after_the_gpus(names, folder):
-    assert gpu_check.folder_name(names) == folder
+    assert gpu_summary.folder_name(names) == folder
 
 
 def test_a_machine_without_gpus_has_no_folder_name():
     with pytest.raises(ValueError, match="no GPU names"):
-        gpu_check.folder_name([])
+        gpu_summary.folder_name([])
 
 
 def rec(nodeid, when, outcome, seconds=1.0, detail="", skip_lines=()):
@@ -185,12 +186,12 @@ def test_the_plugin_attaches_a_cells_skip_lines_to_its_call_report():
     [
         ([("A", "passed"), ("B", "skipped")], [("A", 0)], 0),
         ([("A", "passed"), ("B", "not started")], [("A", 0)], 3),
-        ([("A", "passed"), ("B", "not finished")], [("B", gpu_check.KILLED)], 3),
+        ([("A", "passed"), ("B", "not finished")], [("B", gpu_summary.KILLED)], 3),
         ([("A", "passed"), ("B", "failed"), ("B", "not started")], [("B", 1)], 1),
         ([("A", "error"), ("B", "not finished")], [("A", 1)], 1),
         ([("A", "passed")], [("A", 0), ("A", 5)], 0),  # a pass that selects nothing
         ([("A", "passed")], [("A", 0), ("B", 3)], 1),  # pytest's internal error
-        ([("A", "passed")], [("A", gpu_check.KILLED)], 3),  # stopped, nothing failed
+        ([("A", "passed")], [("A", gpu_summary.KILLED)], 3),  # stopped, nothing failed
         ([("A", "passed"), ("C", "failed"), ("C", "not started")], [("C", 1)], 0),  # C: never
         ([("A", "passed"), ("C", "skipped")], [("A", 0)], 0),
     ],
@@ -198,7 +199,7 @@ def test_the_plugin_attaches_a_cells_skip_lines_to_its_call_report():
 def test_exit_status(rows, passes, status):
     checks = [{"part": p, "check": str(i), "outcome": o} for i, (p, o) in enumerate(rows)]
     runs = [{"part": p, "what": str(i), "returncode": c} for i, (p, c) in enumerate(passes)]
-    assert gpu_check.exit_status(checks, runs) == status
+    assert gpu_summary.exit_status(checks, runs) == status
 
 
 def test_summary_json_and_table(tmp_path):
@@ -217,7 +218,7 @@ def test_summary_json_and_table(tmp_path):
         "detail": f"{gpu_plan.WORLD_SIZE_1}: busbw is 0 by definition",
     }
     checks.append(ws1)  # fmt: skip
-    path = gpu_check.write_summary(
+    path = gpu_summary.write_summary(
         tmp_path / "gpu-x", command="python -m ddp_course gpu-check --budget-s 540",
         budget_s=540, wall_s=61.26, machine=machine, passes=passes, checks=checks,
         results=["b.json", "a.json"], utc="2026-11-23T09:00:00+00:00",
@@ -232,7 +233,7 @@ def test_summary_json_and_table(tmp_path):
         "world_size_1": {"paths": list(gpu_plan.WORLD_SIZE_1_PATHS), "tests": [ws1["check"]]},
     }  # fmt: skip
     assert summary["totals"]["B"]["not finished"] == 1 and summary["totals"]["C"]["passed"] == 0
-    table = gpu_check.format_table(checks, 61.26).splitlines()
+    table = gpu_summary.format_table(checks, 61.26).splitlines()
     width = max(len(c["check"]) for c in checks) + 2  # the longest name, two spaces
     assert table[0].split() == ["part", "check", "outcome", "seconds", "detail"]
     assert table[1] == f"A     {T + 'test_ok':<{width}}passed            6.0"
@@ -244,7 +245,7 @@ def test_summary_json_and_table(tmp_path):
         "in 61 s",
     ]
     machine2 = {**machine, "gpu_count": 2}
-    path = gpu_check.write_summary(
+    path = gpu_summary.write_summary(
         tmp_path / "gpu-y", command="c", budget_s=1, wall_s=1, machine=machine2, passes=[],
         checks=checks, results=[],
     )  # fmt: skip
@@ -258,7 +259,7 @@ def test_world_size_1_records_say_so_in_their_names(tmp_path):
     (source / "10_benchmark.json").write_text('{"meta": {"world_size": 1}, "rows": []}')
     (source / "09_fsdp.json").write_text('{"world_size": 2}')
     (source / "odd.json").write_text("[1, 2]")
-    kept = gpu_check.keep_results(source, folder)
+    kept = gpu_summary.keep_results(source, folder)
     assert kept == ["00_hello_ranks-world-size-1.json", "09_fsdp.json",
                     "10_benchmark-world-size-1.json", "odd.json"]  # fmt: skip
     assert sorted(p.name for p in folder.iterdir()) == sorted(kept)
@@ -593,7 +594,7 @@ def test_a_then_b_one_at_a_time_each_only_if_it_fits_and_c_listed(monkeypatch, t
     ]  # fmt: skip
     for _, args, timeout_s in seen:
         assert "-n" not in args and args.count(args[-1]) == 1  # one check a pass, no xdist
-        assert 0 < timeout_s <= 300 + gpu_check.GRACE_S
+        assert 0 < timeout_s <= 300 + gpu_plan.GRACE_S
     assert outcome_of(summary) == {
         "tests/gpu/test_gpu.py": ("A", "passed"),
         "tests/gpu/test_gpu_lesson03.py": ("A", "passed"),
@@ -605,7 +606,7 @@ def test_a_then_b_one_at_a_time_each_only_if_it_fits_and_c_listed(monkeypatch, t
     rows = {c["check"]: c for c in summary["checks"]}
     assert rows["notebooks/05_ddp.ipynb"]["detail"].endswith("needs ~80 s, 60 s left")
     assert rows["notebooks/08_pp.ipynb"]["detail"] == gpu_plan.c_reason(1)
-    assert status == gpu_check.EXIT_NOT_FINISHED == 3
+    assert status == gpu_summary.EXIT_NOT_FINISHED == 3
 
 
 def test_everything_of_a_and_b_passing_is_exit_0_and_c_runs_in_time_left(monkeypatch, tmp_path):
@@ -619,22 +620,22 @@ def test_everything_of_a_and_b_passing_is_exit_0_and_c_runs_in_time_left(monkeyp
     assert [check for check, _, _ in seen][-1] == "notebooks/08_pp.ipynb"
     assert outcome_of(summary)["notebooks/08_pp.ipynb"] == ("C", "failed")
     assert outcome_of(summary)["notebooks/09_zero.ipynb"] == ("C", "skipped")
-    assert status == gpu_check.EXIT_OK  # part C never changes it
+    assert status == gpu_summary.EXIT_OK  # part C never changes it
 
 
 def test_a_check_cut_off_at_the_limit_is_not_finished_never_failed(monkeypatch, tmp_path):
     plan = plan_of(100, ("A", "tests/gpu/test_gpu.py", 50), ("B", "notebooks/11_mn.ipynb", 40))
     cut = [*passed("notebooks/11_mn.ipynb::Cell 0"),
            rec("notebooks/11_mn.ipynb::Cell 1", "setup", "passed")]  # fmt: skip
-    outcomes = {"notebooks/11_mn.ipynb": (cut, gpu_check.KILLED, 110)}
+    outcomes = {"notebooks/11_mn.ipynb": (cut, gpu_summary.KILLED, 110)}
     status, _, summary = fake_run(monkeypatch, tmp_path, plan, outcomes)
     assert outcome_of(summary)["notebooks/11_mn.ipynb"] == ("B", "not finished")
-    assert status == gpu_check.EXIT_NOT_FINISHED
+    assert status == gpu_summary.EXIT_NOT_FINISHED
     # Killed before its first report (a kernel still starting): a row all the same.
-    outcomes = {"notebooks/11_mn.ipynb": ([], gpu_check.KILLED, 110)}
+    outcomes = {"notebooks/11_mn.ipynb": ([], gpu_summary.KILLED, 110)}
     status, _, summary = fake_run(monkeypatch, tmp_path, plan, outcomes)
     assert outcome_of(summary)["notebooks/11_mn.ipynb"] == ("B", "not finished")
-    assert status == gpu_check.EXIT_NOT_FINISHED
+    assert status == gpu_summary.EXIT_NOT_FINISHED
 
 
 def test_a_real_failure_is_exit_1_whatever_else_was_left_out(monkeypatch, tmp_path):
@@ -642,13 +643,13 @@ def test_a_real_failure_is_exit_1_whatever_else_was_left_out(monkeypatch, tmp_pa
     outcomes = {"tests/gpu/test_gpu.py": (RECORDS[:6], 1, None)}  # test_ok, test_broken
     status, _, summary = fake_run(monkeypatch, tmp_path, plan, outcomes)
     assert outcome_of(summary)["notebooks/05.ipynb"] == ("B", "not started")
-    assert status == gpu_check.EXIT_FAILED
+    assert status == gpu_summary.EXIT_FAILED
     # A pass that ended without any report (pytest could not start) is an error row.
     outcomes = {"tests/gpu/test_gpu.py": ([], 4, None)}
     status, _, summary = fake_run(monkeypatch, tmp_path, plan, outcomes)
     row = summary["checks"][0]
     assert (row["outcome"], row["detail"]) == ("error", "pytest exit code 4, no report")
-    assert status == gpu_check.EXIT_FAILED
+    assert status == gpu_summary.EXIT_FAILED
 
 
 def test_a_notebook_that_skipped_its_gpu_part_is_reported_skipped(monkeypatch, tmp_path):
@@ -660,7 +661,7 @@ def test_a_notebook_that_skipped_its_gpu_part_is_reported_skipped(monkeypatch, t
     row = summary["checks"][-1]
     assert (row["outcome"], row["skips"]) == ("skipped", 1)
     assert row["detail"] == "ran; 1 part skipped: SKIPPED: needs 2 GPUs"
-    assert status == gpu_check.EXIT_OK
+    assert status == gpu_summary.EXIT_OK
 
 
 def test_gpu_check_prints_the_plan_first_and_keeps_what_the_tests_wrote(
@@ -748,7 +749,7 @@ def test_on_one_gpu_the_gpu_tests_name_the_nccl_paths_world_size_1_cannot_show(r
     for c in checks:
         assert c["detail"].startswith(f"{gpu_plan.WORLD_SIZE_1} (one GPU): "), c
         assert c["detail"].endswith("needs 2 or more GPUs")
-    report = gpu_check.world_size_1_report(1, checks)
+    report = gpu_summary.world_size_1_report(1, checks)
     assert report["tests"] == [c["check"] for c in checks]
     assert report["paths"] == list(gpu_plan.WORLD_SIZE_1_PATHS)
     # The plan counts these tests as not run on one GPU.
@@ -768,4 +769,4 @@ def test_a_gpu_test_file_starts_past_its_estimate_but_not_past_the_budget(monkey
         "tests/gpu/test_gpu.py", "tests/gpu/test_gpu_lesson03.py"
     ]  # fmt: skip
     assert outcome_of(summary)["tests/gpu/test_gpu_lesson15.py"] == ("A", "not started")
-    assert status == gpu_check.EXIT_NOT_FINISHED
+    assert status == gpu_summary.EXIT_NOT_FINISHED

@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from ddp_course import runtime
-from ddp_course.harness import launch, multinode, netns, restarts
+from ddp_course.harness import launch, multinode, multinode_logs, netns, restarts
 
 
 def _alive(marker: str) -> list[psutil.Process]:
@@ -49,8 +49,8 @@ def test_a_failing_rank_is_named_with_its_node(workers):
 
 def test_global_ranks_come_from_the_agents_line_prefix():
     output = "[default0|2]:hello\n[default1|3]:hi\n"
-    assert multinode.global_ranks(output, 2) == [2, 3]
-    assert multinode.global_ranks("no worker line\n", 2) is None
+    assert multinode_logs.global_ranks(output, 2) == [2, 3]
+    assert multinode_logs.global_ranks("no worker line\n", 2) is None
 
 
 def test_attempt_prefix_changes_with_restarts_and_world_size(monkeypatch):

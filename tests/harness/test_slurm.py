@@ -21,14 +21,9 @@ import pytest
 
 from ddp_course.harness import slurm
 from ddp_course.harness.ports import free_port
-from ddp_course.harness.slurm import (
-    DAEMONS,
-    LocalSlurm,
-    SlurmJobError,
-    SlurmUnavailable,
-    install_packages,
-    missing_commands,
-)
+from ddp_course.harness.slurm import DAEMONS, LocalSlurm
+from ddp_course.harness.slurm_install import SlurmUnavailable, install_packages, missing_commands
+from ddp_course.harness.slurm_jobs import SlurmJobError
 from ddp_course.runtime import device_plan
 
 REPO = pathlib.Path(__file__).resolve().parents[2]

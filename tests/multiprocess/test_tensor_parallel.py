@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from ddp_course import tensor_parallel as tp
 from ddp_course.harness import launch
+from ddp_course.models import FeedForward
 from ddp_course.tensor_parallel import ColumnParallelLinear, ParallelFeedForward, RowParallelLinear
 
 D_MODEL, HIDDEN, BATCH, BLOCKS, STEPS = 8, 24, 6, 2, 3
@@ -101,7 +101,7 @@ def test_parallelize_module_equals_ours_with_the_same_collectives(job):
 
 def full_mlp():
     torch.manual_seed(0)
-    return tp.FeedForward(D_MODEL, HIDDEN)
+    return FeedForward(D_MODEL, HIDDEN)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
@@ -129,7 +129,7 @@ def test_one_rank_is_the_plain_mlp():
 
 def test_bad_input_gets_a_clear_error():
     with pytest.raises(ValueError, match=r"hidden=10 is not divisible .*\(e\.g\. 12\)"):
-        ParallelFeedForward(tp.FeedForward(D_MODEL, 10), 0, 4)
+        ParallelFeedForward(FeedForward(D_MODEL, 10), 0, 4)
     col = ColumnParallelLinear(nn.Linear(D_MODEL, HIDDEN), 0, 1)
     with pytest.raises(ValueError, match=r"whole input, \[\*, 8\]"):
         col(torch.randn(2, 5))

@@ -1,4 +1,4 @@
-"""Dropout in the course's tensor- and sequence-parallel TinyGPT (sp.ParallelGPT), on 2 and 4
+"""Dropout in the course's tensor- and sequence-parallel TinyGPT (ParallelGPT), on 2 and 4
 gloo ranks: masks differ across ranks on each rank's heads and sequence shard, agree on the
 replicated regions, and change from step to step; the replicated parameters stay equal on
 every rank when training with dropout. Three mistakes patched in must each be caught.

@@ -17,8 +17,8 @@ import pathlib
 
 import pytest
 
-from ddp_course import sequence_parallel as sp
 from ddp_course.harness import launch
+from ddp_course.mesh_predictions import saved_block_bytes_formula
 
 D, HEADS, LAYERS, SEQ, BATCH, STEPS = 16, 4, 2, 8, 2, 5
 ARGS = ["--d-model", str(D), "--heads", str(HEADS), "--layers", str(LAYERS), "--seq", str(SEQ),
@@ -113,13 +113,13 @@ def test_layernorm_activations_shrink_n_times(job):
 def test_a_block_saves_what_korthikanti_counts(job):
     # Korthikanti et al. 2022, table 2: sbh(10 + 24/t) + 5as²b/t under TP, sbh 34/t + 5as²b/t
     # with SP, in 2-byte activations and 1-byte masks; here float64 and CPU dropout's
-    # float64 mask (sp.saved_block_bytes_formula says term by term).
+    # float64 mask (saved_block_bytes_formula says term by term).
     n, saved = job["world_size"], job["block_bytes"]
     for mode, seq_par in (("tp", False), ("sp", True)):
-        want = sp.saved_block_bytes_formula(BATCH, SEQ, D, HEADS, n, seq_par)
+        want = saved_block_bytes_formula(BATCH, SEQ, D, HEADS, n, seq_par)
         assert saved[mode]["bytes"] == want, mode
     # With SP every term is divided by N (but the causal mask, SEQ² bytes)...
-    one = sp.saved_block_bytes_formula(BATCH, SEQ, D, HEADS, 1, False)
+    one = saved_block_bytes_formula(BATCH, SEQ, D, HEADS, 1, False)
     assert saved["sp"]["bytes"] - SEQ * SEQ == (one - SEQ * SEQ) // n
     # ...so no [B, T, d] activation is kept: only the MLP's hidden [B, T, 4d/N] can have
     # that shape, where 4d/N = d.

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ddp_course import data_parallel, runtime
+from ddp_course.replica_plan import plan_replicas
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -152,7 +153,7 @@ def test_script_labels_its_memory(monkeypatch, script):
 
 def test_plan_replicas_rejects_an_unknown_impl():
     with pytest.raises(ValueError, match="impl must be"):
-        data_parallel.plan_replicas("threads", 2, 0)
+        plan_replicas("threads", 2, 0)
 
 
 # --- clocks wait for the GPUs -----------------------------------------------------------

@@ -119,14 +119,40 @@ def test_backward_byte_formula():
     assert cp.ulysses_backward_bytes((1, 2, 3, 4), 4, 4) == cp.ulysses_bytes((1, 2, 3, 4), 4, 4)
 
 
-def test_names_of_the_sibling_modules_are_reachable_from_context_parallel():
-    from ddp_course import context_parallel_cost, context_parallel_ulysses
+def test_the_package_lists_each_name_from_its_module():
+    from ddp_course.context_parallel import cost, ring, ulysses
 
-    assert cp.ulysses_attention is context_parallel_ulysses.ulysses_attention
-    assert cp.GatherSequence is context_parallel_ulysses.GatherSequence
-    assert cp.ring_work is context_parallel_cost.ring_work
-    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+    assert cp.ulysses_attention is ulysses.ulysses_attention
+    assert cp.ring_work is cost.ring_work
+    assert cp.RingAttention is ring.RingAttention
+    for name in set(cp.__all__) - {"LAYOUTS"}:  # each defined in one of the package's modules
+        assert getattr(cp, name).__module__.startswith("ddp_course.context_parallel."), name
+    assert not hasattr(cp, "__getattr__")  # every name imported, none resolved late
+    with pytest.raises(AttributeError):
         cp.nothing  # noqa: B018
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_ring_ops_see_every_block_of_the_schedule(group, layout):
+    # One rank, zig-zag: two runs of 4 tokens, three blocks (the fourth is fully masked).
+    calls = {"forward": 0, "backward": 0}
+
+    def block(*a):
+        calls["forward"] += 1
+        return cp.block_attention(*a)
+
+    def block_backward(*a):
+        calls["backward"] += 1
+        return cp.block_attention_backward(*a)
+
+    q, k, v = (x.requires_grad_() for x in qkv(t=8))
+    ops = cp.RingOps(block=block, block_backward=block_backward)
+    out = cp.ring_attention(q, k, v, layout=layout, ops=ops)
+    out.sum().backward()
+    blocks = cp.ring_work(1, 8, layout)[0]["blocks"]
+    assert calls == {"forward": blocks, "backward": blocks}
+    assert blocks == (3 if layout == "zigzag" else 1)
+    torch.testing.assert_close(out, cp.ring_attention(q, k, v, layout=layout), rtol=0, atol=0)
 
 
 def test_gloo_scatter_fills_a_non_contiguous_buffer_in_memory_order(group):

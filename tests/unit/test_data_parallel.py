@@ -7,6 +7,7 @@ from torch import nn
 from ddp_course import data_parallel, runtime
 from ddp_course.harness.launch import LaunchError, python
 from ddp_course.models import MLP, SmallCNN
+from ddp_course.replica_plan import plan_replicas
 
 CPU = torch.device("cpu")
 
@@ -205,7 +206,7 @@ def test_script_trains_with_threads(root, tmp_path):
     res = result.results
     assert res["impl"].endswith("DataParallel") and len(res["devices"]) == 2
     # The device rule: one GPU per replica, or CPU threads (never two replicas on a GPU).
-    plan = data_parallel.plan_replicas("auto", 2, runtime.gpu_count())
+    plan = plan_replicas("auto", 2, runtime.gpu_count())
     assert res["devices"] == [str(d) for d in plan.devices]
     assert res["device_reason"] == plan.reason
     on_gpu = plan.devices[0].type == "cuda"

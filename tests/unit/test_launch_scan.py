@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from ddp_course.harness import launch_scan, multinode
+from ddp_course.harness import launch_scan, multinode, notebook_values
 
 
 def notebook(tmp_path, *cells, name="05_x.ipynb"):
@@ -83,10 +83,10 @@ def test_one_rank_per_gpu_is_sized_from_the_machine(tmp_path):
         "    launch.torchrun('x.py', nproc=gpus + 1, env={'DDP_COURSE_DEVICE': 'cuda'})\n",
     )
     sized, broken = launch_scan.notebook_launches(path)
-    assert sized.per_gpu == 0 and sized.guards == (launch_scan.Guard(">=", 2),)
+    assert sized.per_gpu == 0 and sized.guards == (notebook_values.Guard(">=", 2),)
     assert [sized.ranks(g) for g in (0, 1, 2, 4)] == [[], [], [2], [4]]
     assert sized.device_types(4) == {"cuda"} and not sized.fails_on_purpose(4)
-    assert broken.per_gpu == 1 and broken.guards == (launch_scan.Guard("==", 0, False),)
+    assert broken.per_gpu == 1 and broken.guards == (notebook_values.Guard("==", 0, False),)
     assert broken.ranks(0) == [] and broken.ranks(1) == [2] and broken.fails_on_purpose(1)
 
 
@@ -143,8 +143,8 @@ def test_cuda_in_the_notebooks_own_kernel_counts_once_a_cell_and_only_with_a_gpu
     )
     first, second = launch_scan.notebook_launches(path)
     assert (first.kind, first.cell, first.line) == ("torch.cuda", 1, 2)
-    assert first.guards == (launch_scan.Guard(">", 0),)
-    assert second.guards == (launch_scan.Guard(">", 0),)  # the else of `if not ...`
+    assert first.guards == (notebook_values.Guard(">", 0),)
+    assert second.guards == (notebook_values.Guard(">", 0),)  # the else of `if not ...`
     assert not second.runs_with(0) and second.device_types(1) == {"cuda"}
     assert first.device_types(0) == set() and first.device_types(1) == {"cuda"}
 

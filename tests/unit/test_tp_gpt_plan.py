@@ -7,6 +7,7 @@ import torch
 from ddp_course import sequence_parallel as sp
 from ddp_course import tensor_parallel as tp
 from ddp_course.models import Block, CausalSelfAttention, TinyGPT
+from ddp_course.parallel_gpt import ParallelGPT
 from ddp_course.tensor_parallel import ParallelAttention
 
 
@@ -24,7 +25,7 @@ def test_one_rank_is_the_plain_attention_and_block(flash):
 def test_one_rank_gpt_is_tinygpt_with_the_same_names():
     torch.manual_seed(0)
     model = TinyGPT(d_model=16, n_heads=4, n_layers=2, seq_len=8).double()
-    par = sp.ParallelGPT(model, 0, 1, sequence_parallel=True)
+    par = ParallelGPT(model, 0, 1, sequence_parallel=True)
     idx = torch.randint(0, 256, (2, 8))
     torch.testing.assert_close(par(idx), model(idx), rtol=1e-12, atol=1e-12)
     assert [n for n, _ in par.named_parameters()] == [n for n, _ in model.named_parameters()]

@@ -6,7 +6,8 @@ all-gather version with ``scaled_dot_product_attention`` on the whole sequence:
 outputs and q/k/v gradients, float64 and float32, causal and with packed
 documents. Nothing asserts in between (every rank must run the same collectives
 even when a check fails): each check records None or what differed. It counts
-the block products each rank computes (by wrapping ``block_attention``) and the
+the block products each rank computes (a counting block attention given to ring
+attention through ``RingOps``) and the
 bytes each rank sends in forward and backward (``CollectiveLog``: each send
 and all-to-all), and logs the order
 in which ring attention posts its passes, computes its blocks and waits. Then
@@ -20,7 +21,6 @@ against float64 on the same values: how far each goes past one bfloat16 rounding
 """
 
 import argparse
-import contextlib
 import warnings
 
 import torch
@@ -87,44 +87,28 @@ def compare(ctx, fn, dtype, layout="contiguous", causal=True, docs=None, ref_doc
 
     local = [mine(x).clone().requires_grad_() for x in (q, k, v)]
     my_grad = mine(grad)
-    with broken(variant):  # only around the attention: the sharding above stays right
-        out = fn(*local, causal=causal, layout=layout, document_ids=docs, **kw)
-        (out * my_grad).sum().backward()
+    if variant != "as_written":
+        kw["ops"] = broken(variant)  # only the attention: the sharding above stays right
+    out = fn(*local, causal=causal, layout=layout, document_ids=docs, **kw)
+    (out * my_grad).sum().backward()
     fails = {"output": mismatch(out, mine(ref), dtype)}
     for name, a, b in zip("qkv", local, ref_in):
         fails[f"d{name}"] = mismatch(a.grad, mine(b.grad), dtype)
     return fails
 
 
-@contextlib.contextmanager
-def patched(obj, name, replacement):
-    original = getattr(obj, name)
-    setattr(obj, name, replacement)
-    try:
-        yield
-    finally:
-        setattr(obj, name, original)
-
-
-@contextlib.contextmanager
 def broken(variant):
-    """The mistakes the checks must catch, patched in for the duration."""
+    """Ring attention's pieces with one of the mistakes the checks must catch."""
     if variant == "merge_without_lse_correction":
         # Each block normalised on its own and the outputs simply added.
         def merge(out_a, lse_a, out_b, lse_b):
             return out_a + out_b, torch.logaddexp(lse_a, lse_b)
 
-        with patched(cp, "merge_partials", merge):
-            yield
-    elif variant == "causal_mask_per_chunk":
+        return cp.RingOps(merge=merge)
+    if variant == "causal_mask_per_chunk":
         # Every rank believes its chunk starts the sequence: a causal triangle per block.
-        original = cp.sequence_segments
-        with patched(
-            cp, "sequence_segments", lambda r, p, t, lay="contiguous": original(0, p, t, lay)
-        ):
-            yield
-    else:
-        yield
+        return cp.RingOps(segments=lambda r, p, t, lay: cp.sequence_segments(0, p, t, lay))
+    raise ValueError(f"no such mistake: {variant!r}")
 
 
 def counted_forward(ctx, fn, layout="contiguous", dtype=torch.float32):
@@ -133,16 +117,17 @@ def counted_forward(ctx, fn, layout="contiguous", dtype=torch.float32):
     local = [cp.shard_sequence(x, ctx.rank, ctx.world_size, layout).requires_grad_()
              for x in (q, k, v)]  # fmt: skip
     sends, work = CollectiveLog(), {"blocks": 0, "pairs": 0, "visible": 0}
-    original = cp.block_attention
 
     def block(q, k, v, mask):
         work["blocks"] += 1
         work["pairs"] += q.shape[2] * k.shape[2]
         work["visible"] += q.shape[2] * k.shape[2] if mask is None else int(mask.sum())
-        return original(q, k, v, mask)
+        return cp.block_attention(q, k, v, mask)
 
-    with sends.recording("forward"), patched(cp, "block_attention", block):
-        out = fn(*local, causal=True, layout=layout)
+    # Only the ring computes blocks; Ulysses' work stays 0.
+    kw = {"ops": cp.RingOps(block=block)} if fn is cp.ring_attention else {}
+    with sends.recording("forward"):
+        out = fn(*local, causal=True, layout=layout, **kw)
     with sends.recording("backward"):
         (out * cp.shard_sequence(grad, ctx.rank, ctx.world_size, layout)).sum().backward()
 
@@ -171,22 +156,19 @@ def overlap_events(ctx):
             events.append(f"wait {names[self.tag]}")
             return received
 
-    forward, backward = cp.block_attention, cp.block_attention_backward
-
     def block(*a):
         events.append("block")
-        return forward(*a)
+        return cp.block_attention(*a)
 
     def block_backward(*a):
         events.append("block backward")
-        return backward(*a)
+        return cp.block_attention_backward(*a)
 
     q, k, v, grad = whole(ctx.world_size, torch.float64)
     local = [cp.shard_sequence(x, ctx.rank, ctx.world_size).requires_grad_() for x in (q, k, v)]
-    with (patched(cp, "RingPass", LoggedPass), patched(cp, "block_attention", block),
-          patched(cp, "block_attention_backward", block_backward)):  # fmt: skip
-        out = cp.ring_attention(*local, causal=True)
-        (out * cp.shard_sequence(grad, ctx.rank, ctx.world_size)).sum().backward()
+    ops = cp.RingOps(block=block, block_backward=block_backward, ring_pass=LoggedPass)
+    out = cp.ring_attention(*local, causal=True, ops=ops)
+    (out * cp.shard_sequence(grad, ctx.rank, ctx.world_size)).sum().backward()
     return events
 
 

@@ -1,18 +1,17 @@
 """Worker: ring attention with its passes overlapped (as written) against waited for at once.
 
 As written, ``ring_attention`` posts each pass (``cp.RingPass``) before the step's blocks
-and waits for it after them. The other variant waits as soon as it posts, so no transfer
-overlaps a block. Both compute the same thing in the same order: outputs and gradients
-must be equal bit for bit. Each variant runs forward and backward ``--repeats`` times after
-one warm-up; the time of a run is the slowest rank's. On GPUs (nccl) the difference is the
-communication the overlap hides; on CPU with gloo the ranks share the cores and it means
-little.
+and waits for it after them. The other variant (``RingOps(ring_pass=WaitedAtOnce)``) waits
+as soon as it posts, so no transfer overlaps a block. Both compute the same thing in the
+same order: outputs and gradients must be equal bit for bit. Each variant runs forward and
+backward ``--repeats`` times after one warm-up; the time of a run is the slowest rank's. On
+GPUs (nccl) the difference is the communication the overlap hides; on CPU with gloo the
+ranks share the cores and it means little.
 
     torchrun --nproc_per_node=2 tests/workers/ring_overlap_check.py
 """
 
 import argparse
-import contextlib
 import statistics
 import time
 
@@ -45,14 +44,7 @@ class WaitedAtOnce(cp.RingPass):
         return self.done
 
 
-@contextlib.contextmanager
-def variant(name):
-    original = cp.RingPass
-    cp.RingPass = WaitedAtOnce if name == "waited at once" else original
-    try:
-        yield
-    finally:
-        cp.RingPass = original
+VARIANTS = {"overlapped": cp.RingOps(), "waited at once": cp.RingOps(ring_pass=WaitedAtOnce)}
 
 
 def sync(device):
@@ -60,9 +52,9 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def step(q, k, v, grad):
+def step(q, k, v, grad, ops):
     local = [x.clone().requires_grad_() for x in (q, k, v)]
-    out = cp.ring_attention(*local, causal=True, layout="zigzag")
+    out = cp.ring_attention(*local, causal=True, layout="zigzag", ops=ops)
     (out * grad).sum().backward()
     return [out.detach(), *(x.grad for x in local)]
 
@@ -73,19 +65,18 @@ with distributed() as ctx:
     shape = (args.batch_size, args.heads, args.t_local, args.head_dim)
     q, k, v, grad = (torch.randn(shape, generator=gen).to(ctx.device, dtype) for _ in range(4))
     results, times = {}, {}
-    for name in ("overlapped", "waited at once"):
-        with variant(name):
-            results[name] = step(q, k, v, grad)  # warm-up
-            runs = []
-            for _ in range(args.repeats):
-                sync(ctx.device)
-                dist.barrier()
-                start = time.perf_counter()
-                step(q, k, v, grad)
-                sync(ctx.device)
-                took = torch.tensor(time.perf_counter() - start, device=ctx.device)
-                dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the slowest rank
-                runs.append(took.item())
+    for name, ops in VARIANTS.items():
+        results[name] = step(q, k, v, grad, ops)  # warm-up
+        runs = []
+        for _ in range(args.repeats):
+            sync(ctx.device)
+            dist.barrier()
+            start = time.perf_counter()
+            step(q, k, v, grad, ops)
+            sync(ctx.device)
+            took = torch.tensor(time.perf_counter() - start, device=ctx.device)
+            dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the slowest rank
+            runs.append(took.item())
         times[name] = statistics.median(runs)
     equal = all(torch.equal(a, b) for a, b in zip(*results.values()))
     write_results(ctx, args.results, {

@@ -30,6 +30,7 @@ from torch.distributed.tensor.parallel import (
 from torch.nn.functional import mse_loss
 
 from ddp_course import tensor_parallel as tp
+from ddp_course.models import FeedForward
 from ddp_course.runtime import distributed
 from ddp_course.tools.collective_log import CollectiveLog
 from ddp_course.tools.records import write_results
@@ -48,7 +49,7 @@ RTOL, ATOL = 1e-5, 1e-6
 
 def reference_model():
     torch.manual_seed(0)
-    return nn.Sequential(*[tp.FeedForward(args.d_model, args.hidden) for _ in range(args.blocks)])
+    return nn.Sequential(*[FeedForward(args.d_model, args.hidden) for _ in range(args.blocks)])
 
 
 def parallel_model(ref, ctx):

@@ -1,7 +1,7 @@
 """Worker: dropout masks of the course's tensor- and sequence-parallel TinyGPT across ranks.
 
 Every rank builds the same TinyGPT (same seed, float64, dropout 0.5, explicit attention)
-and splits it with ``sp.ParallelGPT``, with and without sequence parallelism. Two training
+and splits it with ``ParallelGPT``, with and without sequence parallelism. Two training
 steps run with every dropout mask recorded (``sp.dropout_masks``); the masks of each call
 are all-gathered and compared across ranks, and each rank compares step 0's with step 1's.
 Then a few SGD steps with dropout on: the replicated parameters must still be equal on
@@ -21,6 +21,7 @@ import torch.distributed as dist
 from ddp_course import sequence_parallel as sp
 from ddp_course import tensor_parallel as tp
 from ddp_course.models import TinyGPT, lm_loss
+from ddp_course.parallel_gpt import ParallelGPT
 from ddp_course.runtime import distributed
 from ddp_course.tools.records import write_results
 
@@ -60,7 +61,7 @@ def model(ctx, variant, sequence_parallel):
     torch.manual_seed(0)  # the same weights and default generator on every rank
     whole = TinyGPT(d_model=args.d_model, n_heads=args.heads, n_layers=args.layers,
                     seq_len=args.seq, dropout=0.5, flash=False).double()  # fmt: skip
-    par = sp.ParallelGPT(whole, ctx.rank, ctx.world_size, sequence_parallel=sequence_parallel)
+    par = ParallelGPT(whole, ctx.rank, ctx.world_size, sequence_parallel=sequence_parallel)
     if variant == "default_generator_seed_plus_rank":
         torch.manual_seed(1 + ctx.rank)  # data parallelism's habit: the replicated masks differ
     return par

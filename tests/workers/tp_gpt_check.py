@@ -29,6 +29,7 @@ from torch.nn import functional
 from ddp_course import sequence_parallel as sp
 from ddp_course import tensor_parallel as tp
 from ddp_course.models import Block, TinyGPT, lm_loss
+from ddp_course.parallel_gpt import ParallelGPT, gather_full_state
 from ddp_course.runtime import distributed
 from ddp_course.tools.collective_log import CollectiveLog
 from ddp_course.tools.records import write_results
@@ -122,7 +123,7 @@ def check_block(ctx, variant, sequence_parallel):
     got_xg = my_part(x_full.grad, ctx) if sequence_parallel else x_full.grad
     fails = {"output": mismatch(out, want_out, BLOCK_TOL),
              "input_grad": mismatch(got_xg, want_xg, BLOCK_TOL)}  # fmt: skip
-    grads = sp.gather_full_state(par, grads=True)
+    grads = gather_full_state(par, grads=True)
     for name, q in ref.named_parameters():
         fails[f"grad {name}"] = mismatch(grads[name], q.grad, BLOCK_TOL)
     return {"fails": fails, "calls": log.calls}
@@ -161,7 +162,7 @@ def lm_batch():
 
 def check_gpt(ctx, variant, sequence_parallel):
     ref = gpt()
-    par = sp.ParallelGPT(ref, ctx.rank, ctx.world_size, sequence_parallel=sequence_parallel)
+    par = ParallelGPT(ref, ctx.rank, ctx.world_size, sequence_parallel=sequence_parallel)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
     opt_par = torch.optim.SGD(par.parameters(), lr=0.5)
     idx, targets = lm_batch()
@@ -179,7 +180,7 @@ def check_gpt(ctx, variant, sequence_parallel):
         losses.append(loss.item())
         opt_ref.step(), opt_par.step()
         opt_ref.zero_grad(), opt_par.zero_grad()
-    full = sp.gather_full_state(par)
+    full = gather_full_state(par)
     fails = {f"after {args.steps} steps {name}": mismatch(full[name], q.detach(), GPT_TOL)
              for name, q in ref.named_parameters()}  # fmt: skip
     step0 = [c for c in log.calls if c["phase"].endswith(" 0")]
@@ -220,8 +221,8 @@ def seed_lab(ctx):
     """Lab 1a: each rank builds its own model with seed + rank, then shards it."""
     out = {}
     for name, seed in (("seed_plus_rank", ctx.rank), ("same_seed", 0)):
-        par = sp.ParallelGPT(gpt(seed), ctx.rank, ctx.world_size)
-        full, ref = sp.gather_full_state(par), gpt(0)
+        par = ParallelGPT(gpt(seed), ctx.rank, ctx.world_size)
+        full, ref = gather_full_state(par), gpt(0)
         out[name] = {"differ_from_one_process": sorted(n for n, q in ref.named_parameters()
                                                        if not torch.equal(full[n], q.detach())),
                      "replicas_disagree": replicas_disagree(par, ctx)}  # fmt: skip
@@ -244,7 +245,7 @@ with distributed(device="cpu") as ctx:
     # A sequence the ranks cannot share equally: a clear error on every rank, before
     # any collective (so no rank waits for the others).
     try:
-        sp.ParallelGPT(gpt(), ctx.rank, ctx.world_size, sequence_parallel=True)(
+        ParallelGPT(gpt(), ctx.rank, ctx.world_size, sequence_parallel=True)(
             torch.zeros(1, args.seq - 1, dtype=torch.long)
         )
         out["odd_sequence_error"] = None

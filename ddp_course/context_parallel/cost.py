@@ -1,8 +1,7 @@
 """What ring attention computes and sends, rank by rank (notebook 15).
 
-The accounting of :mod:`ddp_course.context_parallel`, which re-exports every
-public name here (``cp.ring_work``, ``cp.ring_bytes``): the work each rank
-computes, counted by walking :func:`~ddp_course.context_parallel.ring_schedule`
+The accounting of ring attention (:mod:`.ring`): the work each rank
+computes, counted by walking :func:`~.schedule.ring_schedule`
 (the schedule the forward and backward run, so no formula), what an uneven
 split costs (:func:`load_balance`), and the bytes each rank sends
 (:func:`ring_bytes` forward, :func:`ring_backward_bytes` backward).
@@ -14,7 +13,7 @@ import math
 
 import torch
 
-from .context_parallel import ring_schedule
+from .schedule import ring_schedule
 
 __all__ = ["load_balance", "ring_backward_bytes", "ring_bytes", "ring_step_work", "ring_work"]
 

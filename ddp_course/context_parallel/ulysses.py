@@ -1,8 +1,7 @@
 """Context parallelism by collectives: DeepSpeed-Ulysses and the all-gather version (notebook 15).
 
-The sibling of :mod:`ddp_course.context_parallel` (ring attention, placement,
-masks), which re-exports every public name here, so ``cp.ulysses_attention``
-and ``cp.allgather_attention`` work as before.
+The alternatives to the ring (:mod:`.ring`); placement and masks as in
+:mod:`.placement`.
 
 - **DeepSpeed-Ulysses** (:func:`ulysses_attention`; Jacobs et al., "DeepSpeed
   Ulysses: System Optimizations for Enabling Training of Extreme Long Sequence
@@ -22,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from .context_parallel import attention_mask, check_qkv, sequence_positions
+from .placement import attention_mask, check_qkv, sequence_positions
 
 __all__ = [
     "GatherSequence",
@@ -95,7 +94,7 @@ def allgather_attention(
 ) -> torch.Tensor:
     """Attention of this rank's queries to all keys and values, gathered with one all-gather each.
 
-    Args as :func:`ddp_course.context_parallel.ring_attention`; ``gather(x, group)``
+    Args as :func:`~.ring.ring_attention`; ``gather(x, group)``
     gathers along dim 2 (default :func:`gather_sequence`). Memory: every rank
     holds all keys and values. The mask is always a tensor: this rank's queries
     start mid-sequence, and ``is_causal=True`` would align the triangle with the
@@ -176,12 +175,12 @@ def ulysses_attention(
     no documents the gathered sequence is in order, so the attention runs with
     ``is_causal=True`` (no mask tensor: on a GPU the flash kernel may run).
 
-    Args, returns: as :func:`ddp_course.context_parallel.ring_attention`.
+    Args, returns: as :func:`~.ring.ring_attention`.
 
     Raises:
         ValueError: ``heads`` not divisible by the world size (use a world size
             that divides the heads, or ring attention), or bad shapes as
-            :func:`ddp_course.context_parallel.ring_attention`.
+            :func:`~.ring.ring_attention`.
     """
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     check_qkv(q, k, v, size, layout, document_ids)
