@@ -23,12 +23,10 @@ def workers() -> pathlib.Path:
 # Notebooks whose assertions are about bytes, parameters and orders, never about
 # time, and whose jobs have no short timeouts: they may run beside other tests.
 # The others measure time (01, 02, 08, 10) or turn hangs into errors with timeouts
-# of a few seconds (00, 03, 06, 11, 12) and run alone. 13-15 keep both cores busy:
-# while each rank paid seconds of imports, beside another test they took twice as
-# long and saved nothing; with ranks forked from torchrun's agent they are cheaper.
-NOTEBOOKS_BESIDE_OTHERS = frozenset({"04_allreduce", "05_ddp", "07_ddp_internals", "09_sharding",
-                                     "13_gpt_mesh", "14_activation_memory",
-                                     "15_sequence_and_experts"})  # fmt: skip
+# of a few seconds (00, 03, 06, 11, 12) and run alone. 13-15 could run beside others
+# too, but they keep both cores busy: beside another test each took twice as long
+# (a fresh clone, 2 cores), which saved no time.
+NOTEBOOKS_BESIDE_OTHERS = frozenset({"04_allreduce", "05_ddp", "07_ddp_internals", "09_sharding"})
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
