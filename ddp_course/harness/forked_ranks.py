@@ -18,10 +18,11 @@ codes and tracebacks in them, restarts. What differs: the rank's command line is
 agent's, and ``/proc/PID/environ`` shows the agent's starting environment (the
 rank's ``os.environ`` is right; tools that read another process's environment, as
 :func:`ddp_course.tools.debug.rank_processes` does, need ranks started as new
-interpreters). Only the launchers use it (:func:`ddp_course.harness.launch.torchrun` and the
-simulated nodes of :func:`ddp_course.harness.multinode.torchrun_nodes`), and only for
-jobs on the CPU: a CUDA process must not be forked after CUDA was initialised, and
-GPU jobs keep torchrun's usual start.
+interpreters), and torchrun's own failure summary names only the first rank that
+failed. Only the launchers use it (:func:`ddp_course.harness.launch.torchrun` and the
+simulated nodes of :func:`ddp_course.harness.multinode.torchrun_nodes`), only for
+jobs on the CPU (a CUDA process must not be forked after CUDA was initialised, and
+GPU jobs keep torchrun's usual start), and only when asked (:func:`enabled`).
 """
 
 from __future__ import annotations
