@@ -2,7 +2,6 @@
 what it sees as a new interpreter, failures and exit codes read the same, and the
 ranks really start with torch imported."""
 
-import os
 import re
 
 import pytest
@@ -63,4 +62,3 @@ def test_only_single_node_cpu_jobs_fork(workers, monkeypatch):
     monkeypatch.setenv("DDP_COURSE_FORK_RANKS", "yes")
     with pytest.raises(ValueError, match="DDP_COURSE_FORK_RANKS='yes'"):
         launch.torchrun(workers / "rank_start_probe.py", gpus=0)
-    assert "DDP_COURSE_FORK_RANKS" not in os.environ or os.environ["DDP_COURSE_FORK_RANKS"]
