@@ -19,25 +19,20 @@ test can compare the two. Which bytes each rank owns is
 What code that calls ``torch.distributed`` (or DDP, FSDP2, DTensor) sends is
 logged by :class:`ddp_course.tools.collective_log.CollectiveLog`.
 
-A cost model fitted to timings describes one link. :func:`sweep_device_plan`
-puts every world size of a sweep on the same device and backend, and
-:func:`link_label` names the link that was measured.
+Which link a timed sweep measured (one device plan for every world size, and
+its label) is :mod:`ddp_course.tools.bench.links`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
-from . import runtime
 from .partition import check_rank, partition
 
 __all__ = [
     "CommStats",
-    "link_label",
     "parameter_server_bytes",
     "ring_bytes",
-    "sweep_device_plan",
 ]
 
 
@@ -140,54 +135,3 @@ def parameter_server_bytes(
 def _check_size(numel: int, element_size: int) -> None:
     if numel < 0 or element_size < 1:
         raise ValueError(f"need numel >= 0 and element_size >= 1, not {numel}, {element_size}")
-
-
-def sweep_device_plan(world_sizes: Sequence[int], gpus: int | None = None) -> runtime.DevicePlan:
-    """One device plan for every launch of a sweep over world sizes.
-
-    An alpha-beta line fitted through timings at N = 2, 3, 4 describes one
-    link only if every N ran on the same device and backend. Planning each
-    launch on its own would put N = 2 on two GPUs with nccl and N = 3, 4 on
-    the CPU with gloo on a 2-GPU machine. So the plan is made once, for the
-    largest N (:func:`ddp_course.runtime.device_plan`): CUDA and nccl for all
-    of the sweep when that N fits the GPUs, else the CPU and gloo for all of
-    it. Pass ``{runtime.DEVICE_ENV: plan.device_type}`` as ``env`` to every
-    ``launch.torchrun`` of the sweep.
-
-    Args:
-        world_sizes: the ranks of each launch, each >= 1, at least one.
-        gpus: GPUs on this machine; default :func:`ddp_course.runtime.gpu_count`.
-
-    Returns:
-        The :class:`ddp_course.runtime.DevicePlan` of ``max(world_sizes)`` ranks.
-
-    Raises:
-        ValueError: no world sizes, a world size < 1, or ``gpus`` < 0.
-    """
-    sizes = list(world_sizes)
-    if not sizes or min(sizes) < 1:
-        raise ValueError(f"need at least one world size, each >= 1, not {sizes}")
-    return runtime.device_plan(max(sizes), runtime.gpu_count() if gpus is None else gpus)
-
-
-def link_label(backend: str, device: str) -> str:
-    """What carried the bytes of a run on ``backend`` and ``device``, in a few words.
-
-    Args:
-        backend: ``"gloo"`` or ``"nccl"`` (a results file's ``backend``).
-        device: ``"cpu"`` or ``"cuda:<i>"`` (its ``device``).
-
-    Returns:
-        e.g. ``"loopback TCP between processes (gloo, CPU)"``.
-
-    Raises:
-        ValueError: a backend other than gloo and nccl.
-    """
-    on_gpu = device.split(":")[0] == "cuda"
-    if backend == "nccl":
-        return "GPU to GPU over NVLink or PCIe (nccl)"
-    if backend == "gloo":
-        if on_gpu:
-            return "TCP between processes, CUDA tensors staged through host memory (gloo)"
-        return "loopback TCP between processes (gloo, CPU)"
-    raise ValueError(f"no link label for backend {backend!r}")

@@ -46,29 +46,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .runtime import require_group
+
 __all__ = [
     "BucketedDDP",
     "NaiveDDP",
     "average_gradients",
     "broadcast_state",
     "check_same_shapes",
-    "require_group",
 ]
-
-
-def require_group(process_group: Any) -> Any:
-    """The process group to use: ``process_group``, or the world when it is None.
-
-    Raises:
-        RuntimeError: if no process group exists (``init_process_group`` was
-            never called), with what to call first.
-    """
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            "no process group: call torch.distributed.init_process_group() first "
-            "(or run inside ddp_course.runtime.distributed() under torchrun)"
-        )
-    return process_group if process_group is not None else dist.group.WORLD
 
 
 def average_gradients(model: nn.Module, group: Any = None) -> None:
@@ -86,7 +72,7 @@ def average_gradients(model: nn.Module, group: Any = None) -> None:
     Raises:
         RuntimeError: if no process group exists.
     """
-    group = require_group(group)
+    group = require_group(group, "averaging gradients")
     world_size = dist.get_world_size(group)
     for param in model.parameters():
         if param.grad is not None:
@@ -154,7 +140,7 @@ class NaiveDDP(nn.Module):
 
     def __init__(self, module: nn.Module, process_group: Any = None):
         super().__init__()
-        self.process_group = require_group(process_group)
+        self.process_group = require_group(process_group, "DDP")
         self.world_size = dist.get_world_size(self.process_group)
         self.module = module
         check_same_shapes(module, self.process_group)
@@ -295,7 +281,7 @@ class BucketedDDP(nn.Module):
         super().__init__()
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0 megabytes, got {bucket_cap_mb}")
-        self.process_group = require_group(process_group)
+        self.process_group = require_group(process_group, "DDP")
         self.world_size = dist.get_world_size(self.process_group)
         self.module = module
         self.broadcast_buffers = broadcast_buffers

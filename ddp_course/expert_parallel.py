@@ -60,6 +60,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .models import FeedForward
+from .runtime import require_group
 
 __all__ = [
     "AllToAll",
@@ -276,14 +277,6 @@ def experts_of_rank(num_experts: int, world_size: int, rank: int) -> range:
     return range(rank * per, (rank + 1) * per)
 
 
-def _require_group() -> None:
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            "expert parallelism needs a process group: run the script with torchrun and "
-            "create the group first (with ddp_course.runtime.distributed() as ctx: ...)"
-        )
-
-
 class AllToAll(torch.autograd.Function):
     """``dist.all_to_all_single`` with uneven splits, differentiable.
 
@@ -334,7 +327,7 @@ def all_to_all(
         RuntimeError: no process group. ValueError: ``x`` has not
         ``sum(input_splits)`` rows.
     """
-    _require_group()
+    require_group(needed_for="expert parallelism")
     if x.shape[0] != sum(input_splits):
         raise ValueError(f"x has {x.shape[0]} rows but input_splits sum to {sum(input_splits)}")
     return AllToAll.apply(x, output_splits, input_splits, group)
@@ -412,7 +405,7 @@ class ExpertParallelMoE(nn.Module):
         Raises:
             ValueError: wrong last size. RuntimeError: no process group.
         """
-        _require_group()
+        require_group(needed_for="expert parallelism")
         if x.dim() < 2 or x.shape[-1] != self.d_model:
             raise ValueError(f"expected [tokens, {self.d_model}] or [B, T, {self.d_model}], "
                              f"got {list(x.shape)}")  # fmt: skip

@@ -18,6 +18,7 @@ import logging
 import os
 import random
 import sys
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from .harness import loopback, restarts
 
 __all__ = [
+    "require_group",
     "DEVICE_ENV",
     "DevicePlan",
     "DistContext",
@@ -92,6 +94,10 @@ def _env_int(name: str, default: int) -> int:
 # device type of the plan it chose (see device_plan). A learner may set it too,
 # e.g. DDP_COURSE_DEVICE=cpu torchrun --nproc_per_node=4 script.py on a 1-GPU box.
 DEVICE_ENV = "DDP_COURSE_DEVICE"
+# Seconds a gloo rank releases the GIL before its group is destroyed (see
+# _let_gloo_workers_finish); short beside any job, long beside a thread switch.
+GLOO_QUIESCE_S = 0.05
+GLOO_RELEASE_ENV = "DDP_COURSE_GLOO_RELEASE_S"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,8 +359,53 @@ def distributed(
             # unless the reducer's references are collected before the group
             # goes away (measured: 4 aborts in 12 runs without this, 0 in 24).
             gc.collect()
+            if name == "gloo":
+                _let_gloo_workers_finish()
             dist.destroy_process_group()
         del server  # after the group: its store may still have used the server
+
+
+def _let_gloo_workers_finish() -> None:
+    """Release the GIL for :data:`GLOO_QUIESCE_S` seconds (``DDP_COURSE_GLOO_RELEASE_S``
+    overrides it; ``0`` shows the deadlock) so gloo's worker threads finish their last work.
+
+    A gloo work that finished may still be freed by the worker thread that ran it,
+    and freeing tensors that Python created takes the GIL. ``ProcessGroupGloo``'s
+    destructor joins those threads while holding the GIL (it runs when the last
+    reference to the group goes, often DDP's reducer as ``main()`` returns), so a
+    worker still waiting for the GIL then deadlocks the rank: seen in about 1 of 11
+    runs of lesson 12's monitor job with ranks forked from torchrun's agent
+    (py-spy: the main thread in ``~ProcessGroupGloo``/``thread::join``, a worker in
+    ``~AsyncGatherWork`` waiting for the GIL). A sleep hands the GIL to the worker:
+    no hang in 60 runs (``benchmarks/gloo_teardown.py`` counts both ways).
+    """
+    time.sleep(float(os.environ.get(GLOO_RELEASE_ENV, GLOO_QUIESCE_S)))
+
+
+def require_group(
+    group: dist.ProcessGroup | None = None, needed_for: str = "this"
+) -> dist.ProcessGroup:
+    """The process group to use: ``group``, or the world's when it is None.
+
+    The one check every mechanism makes before its first collective, so that a
+    script run without a process group stops with what to do instead of torch's
+    "Default process group has not been initialized".
+
+    Args:
+        group: a process group, or None for the default (world) group.
+        needed_for: what needs it, for the message (e.g. ``"tensor parallelism"``).
+
+    Raises:
+        RuntimeError: if no process group exists (``init_process_group`` was never
+            called), naming ``needed_for`` and what to call first.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            f"{needed_for} needs a process group: call "
+            "torch.distributed.init_process_group() first, or run the script with torchrun "
+            "inside ddp_course.runtime.distributed() (with distributed() as ctx: ...)"
+        )
+    return group if group is not None else dist.group.WORLD
 
 
 def barrier(ctx: DistContext) -> None:

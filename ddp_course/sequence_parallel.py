@@ -56,6 +56,7 @@ from torch import nn
 from torch.nn import functional
 
 from .parallel_rng import ParallelRNG, dropout_masks, region_seed
+from .runtime import require_group
 from .tensor_parallel import ColumnParallelLinear, ParallelAttention, ParallelFeedForward
 
 __all__ = [
@@ -78,11 +79,7 @@ SEQ_DIM = 1  # activations are [B, T, d]
 
 
 def _world(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            "sequence parallelism needs a process group: run the script with torchrun "
-            "and create the group first (with ddp_course.runtime.distributed() as ctx: ...)"
-        )
+    group = require_group(group, "sequence parallelism")
     return dist.get_rank(group), dist.get_world_size(group)
 
 

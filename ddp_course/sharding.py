@@ -46,8 +46,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .ddp import broadcast_state, check_same_shapes, require_group
+from .ddp import broadcast_state, check_same_shapes
 from .partition import check_rank, partition
+from .runtime import require_group
 
 # PyTorch 2.13 renamed all_gather_into_tensor and reduce_scatter_tensor (same
 # arguments); the course supports torch >= 2.11, which may have only the old names.
@@ -249,7 +250,7 @@ class ZeRO(nn.Module):
         super().__init__()
         if stage not in (1, 2, 3):
             raise ValueError(f"stage must be 1, 2 or 3 (stage 0 is plain DDP), not {stage}")
-        self.group = require_group(group)
+        self.group = require_group(group, "ZeRO")
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self.stage = stage

@@ -58,6 +58,7 @@ from torch.nn import functional
 from .models import FeedForward
 from .parallel_rng import ParallelRNG, region_seed
 from .partition import check_rank, partition
+from .runtime import require_group
 
 __all__ = [
     "ColumnParallelLinear",
@@ -72,15 +73,6 @@ __all__ = [
     "reduce_from_parallel",
     "region_seed",
 ]
-
-
-def _require_group(group: dist.ProcessGroup | None) -> None:
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            "tensor parallelism with more than one rank needs a process group: run the "
-            "script with torchrun and create the group first "
-            "(with ddp_course.runtime.distributed() as ctx: ...)"
-        )
 
 
 def _all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -150,7 +142,7 @@ def copy_to_parallel(x: torch.Tensor, group: dist.ProcessGroup | None = None) ->
     Raises:
         RuntimeError: no process group has been created.
     """
-    _require_group(group)
+    require_group(group, "tensor parallelism with more than one rank")
     return CopyToParallel.apply(x, group)
 
 
@@ -167,7 +159,7 @@ def reduce_from_parallel(x: torch.Tensor, group: dist.ProcessGroup | None = None
     Raises:
         RuntimeError: no process group has been created.
     """
-    _require_group(group)
+    require_group(group, "tensor parallelism with more than one rank")
     return ReduceFromParallel.apply(x, group)
 
 
@@ -483,7 +475,7 @@ def gather_shards(
     Raises:
         RuntimeError: no process group has been created.
     """
-    _require_group(group)
+    require_group(group, "tensor parallelism with more than one rank")
     parts = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, shard.contiguous(), group=group)
     return torch.cat(parts, dim=dim)

@@ -225,11 +225,15 @@ def sweep(args):
     print(f"wrote {len(out['jobs'])} jobs to {os.path.relpath(args.results)}")
 
 
-if __name__ == "__main__":
-    arguments = parse_args()
-    if arguments.sweep:
-        if not arguments.results:
+def main():
+    args = parse_args()
+    if args.sweep:
+        if not args.results:
             raise SystemExit("--sweep needs --results PATH")
-        sweep(arguments)
+        sweep(args)
     else:
-        main_run(arguments)
+        main_run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -22,7 +22,8 @@ interpreters), and torchrun's own failure summary names only the first rank that
 failed. Only the launchers use it (:func:`ddp_course.harness.launch.torchrun` and the
 simulated nodes of :func:`ddp_course.harness.multinode.torchrun_nodes`), only for
 jobs on the CPU (a CUDA process must not be forked after CUDA was initialised, and
-GPU jobs keep torchrun's usual start), and only when asked (:func:`enabled`).
+GPU jobs keep torchrun's usual start), and unless ``DDP_COURSE_FORK_RANKS=0``
+(:func:`enabled`).
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ __all__ = [
     "rank_entrypoint",
 ]
 
-# ``DDP_COURSE_FORK_RANKS=1`` forks the ranks of CPU jobs (see :func:`enabled`).
+# ``DDP_COURSE_FORK_RANKS=0`` starts the ranks of CPU jobs as new interpreters (see
+# :func:`enabled`).
 FORK_ENV = "DDP_COURSE_FORK_RANKS"
 
 # What the agent imports for its ranks: torch._dynamo is most of the cost (torch's
@@ -68,15 +70,15 @@ _DEFAULT_SIGNALS = ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
 
 
 def enabled(env: Mapping[str, str]) -> bool:
-    """Whether ``DDP_COURSE_FORK_RANKS=1`` asks for forked ranks: its value in ``env``,
-    else in this process's environment. Off by default: once in about eight runs of lesson
-    12's monitor job a forked rank hung at exit, its gloo process group's destructor
-    joining a worker thread that waited for the GIL the destructor held (torch 2.13).
+    """Whether CPU jobs fork their ranks: ``DDP_COURSE_FORK_RANKS`` in ``env``, else in
+    this process's environment, ``"1"`` (the default) or ``"0"``. ``0`` starts every rank
+    as a new interpreter, as plain ``torchrun`` does (slower, and what to try first when a
+    job behaves differently under the course's launcher than from a shell).
 
     Raises:
         ValueError: the variable is set to something other than ``"0"`` or ``"1"``.
     """
-    setting = env.get(FORK_ENV, os.environ.get(FORK_ENV, "0"))
+    setting = env.get(FORK_ENV, os.environ.get(FORK_ENV, "1"))
     if setting not in ("0", "1"):
         raise ValueError(f"{FORK_ENV}={setting!r}: use 1 (fork the ranks) or 0")
     return setting == "1"

@@ -193,12 +193,12 @@ def torchrun(
     ``extra_torchrun_args`` name a rendezvous endpoint, master address or
     several nodes, or ``env`` sets those variables.
 
-    With ``fork_ranks=True`` or ``DDP_COURSE_FORK_RANKS=1``, a single-node job on
-    the CPU forks its ranks from torchrun's agent (``torchrun --run-path
-    --start-method=fork``, :mod:`.forked_ranks`) instead of starting each as a new
-    interpreter, as the printed command does: each rank then skips the seconds of
-    CPU that importing torch costs; the script, its arguments, environment, logs and
-    exit codes are the same. Off by default (see :func:`.forked_ranks.enabled`).
+    A single-node job on the CPU forks its ranks from torchrun's agent (``torchrun
+    --run-path --start-method=fork``, :mod:`.forked_ranks`) instead of starting each
+    as a new interpreter, as the printed command does: each rank then skips the
+    seconds of CPU that importing torch costs; the script, its arguments, environment,
+    logs and exit codes are the same. ``fork_ranks=False`` or
+    ``DDP_COURSE_FORK_RANKS=0`` starts new interpreters (see :func:`.forked_ranks.enabled`).
 
     Args:
         script: path of the Python script (relative to the current folder).
@@ -218,7 +218,7 @@ def torchrun(
             ``torch.cuda.device_count()`` (0 without CUDA). ``gpus=0`` runs
             the job on CPU.
         fork_ranks: fork the ranks from the agent (default: for a
-            single-node CPU job when ``DDP_COURSE_FORK_RANKS=1``). Pass
+            single-node CPU job unless ``DDP_COURSE_FORK_RANKS=0``). Pass
             ``False`` when a tool inspects the ranks from outside by their
             environment (:func:`ddp_course.tools.debug.rank_processes`).
 

@@ -211,7 +211,7 @@ def torchrun_nodes(
             store for the workers at each rendezvous round, see the code).
             ``DDP_COURSE_DEVICE`` is always ``"cpu"``; giving it here is allowed
             only with that value. Each node's ranks are forked from its agent
-            (:mod:`.forked_ranks`) when ``DDP_COURSE_FORK_RANKS=1``.
+            (:mod:`.forked_ranks`) unless ``DDP_COURSE_FORK_RANKS=0``.
         results: pass ``--results <file>`` (one file, shared) and return its JSON.
         echo: print the device line and node 0's rank 0 output live.
         extra_torchrun_args: more torchrun flags for every node (e.g.

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from ddp_course.harness import launch
+from ddp_course.harness import forked_ranks, launch
 
 
 def _views(workers, tmp_path, fork, *args):
@@ -62,3 +62,11 @@ def test_only_single_node_cpu_jobs_fork(workers, monkeypatch):
     monkeypatch.setenv("DDP_COURSE_FORK_RANKS", "yes")
     with pytest.raises(ValueError, match="DDP_COURSE_FORK_RANKS='yes'"):
         launch.torchrun(workers / "rank_start_probe.py", gpus=0)
+
+
+def test_cpu_jobs_fork_unless_told_not_to(monkeypatch):
+    monkeypatch.delenv(forked_ranks.FORK_ENV, raising=False)
+    assert forked_ranks.enabled({})
+    assert not forked_ranks.enabled({forked_ranks.FORK_ENV: "0"})
+    monkeypatch.setenv(forked_ranks.FORK_ENV, "0")
+    assert not forked_ranks.enabled({})

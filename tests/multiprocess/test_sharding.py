@@ -63,7 +63,7 @@ def test_zero_bad_input():
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match="stage must be 1, 2 or 3"):
         ZeRO(model, torch.optim.Adam, stage=0)
-    with pytest.raises(RuntimeError, match="no process group"):
+    with pytest.raises(RuntimeError, match="ZeRO needs a process group.*torchrun"):
         ZeRO(model, torch.optim.Adam, stage=1)
 
 
@@ -267,3 +267,65 @@ def test_a_shard_gradient_that_overwrites_is_caught(accumulation, variant):
     # Only the last micro-batch's gradient is stepped: every test above still passes.
     with pytest.raises(AssertionError, match="under accumulation"):
         check_accumulation(accumulation, variant)
+
+
+# ---- FSDP2's units in one process: storage of a model built on meta, the order of hooks ----
+
+
+def test_a_model_built_on_meta_occupies_nothing_until_to_empty_then_loads_rank_0s():
+    # Lesson 09's recipe at one rank; notebook 09 runs it at two and compares training.
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from ddp_course.tools.fsdp_units import parameter_storage_bytes
+
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    whole = 4 * sum(p.numel() for p in plain.parameters())
+    assert parameter_storage_bytes(plain) == whole
+    assert parameter_storage_bytes(model) == 0
+    assert model[0].weight.untyped_storage().nbytes() == 4 * 30  # what a meta storage reports
+    with distributed(group_of_one=True):
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        assert parameter_storage_bytes(model) == 0
+        model.to_empty(device="cpu")
+        assert parameter_storage_bytes(model) == whole  # one rank: its shard is everything
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(model, plain.state_dict(), options=options)
+        for p, want in zip(model.parameters(), plain.parameters()):
+            torch.testing.assert_close(p.full_tensor(), want, rtol=0, atol=0)
+
+
+def test_unit_order_puts_each_collective_between_the_units_hooks():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from ddp_course.tools.fsdp_units import UnitOrder, position, unit_gather_bytes
+
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    units = {"0": model[0], "2": model[2]}
+    with distributed(group_of_one=True):
+        mesh = init_device_mesh("cpu", (1,))
+        for unit in units.values():
+            fully_shard(unit, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        assert unit_gather_bytes(model[0]) == 4 * (5 * 6 + 5)  # one rank: nothing padded
+        with pytest.raises(ValueError, match="same bytes"):
+            UnitOrder({"a": model[0], "b": model[0]})
+        order = UnitOrder(units)
+        with order.recording():
+            model(torch.randn(2, 6)).sum().backward()  # one rank: FSDP2 gathers nothing
+            dist.all_gather_into_tensor(torch.empty(35), torch.ones(35))  # unit 0's bytes
+            dist.all_reduce(torch.ones(3))  # no unit's
+        model(torch.randn(2, 6))  # after the block: not recorded, the hooks are gone
+    assert order.events == [("forward", "0"), ("forward done", "0"), ("forward", "2"),
+                            ("forward done", "2"), ("backward", "2"), ("backward", "0"),
+                            ("all_gather", "0"), ("all_reduce", None)]  # fmt: skip
+    assert position(order.events, ("backward", "0")) == 5
+    assert position([list(e) for e in order.events], ("all_gather", "0")) == 6  # as from JSON
+    with pytest.raises(ValueError, match="1 times, not 2"):
+        position(order.events, ("backward", "0"), 1)

@@ -1,7 +1,7 @@
 """Lesson 04 times the same algorithms at N = 2, 3, 4 and fits one link model through
 them, so every launch of the sweep must run on one device and backend.
 
-``comm_cost.sweep_device_plan`` makes that plan once, for the largest N; notebook 04's
+``tools.bench.sweep_device_plan`` makes that plan once, for the largest N; notebook 04's
 launch cell passes it to every launch. This machine has no GPU: the tests play machines
 with 0 to 4 GPUs by patching ``runtime.gpu_count`` and run the notebook's own launch and
 check cells with a recording launcher.
@@ -15,9 +15,9 @@ import pytest
 from notebook_cells import code_cell
 
 import ddp_course.runtime
-from ddp_course import comm_cost, runtime
-from ddp_course.comm_cost import link_label, sweep_device_plan
+from ddp_course import runtime
 from ddp_course.harness import launch
+from ddp_course.tools.bench import link_label, sweep_device_plan
 
 
 def notebook_cell(first_line: str) -> str:
@@ -90,7 +90,7 @@ def run_launch_cells(monkeypatch, tmp_path, gpus: int, ran_on=None) -> list[dict
 
     monkeypatch.setattr(launch, "torchrun", torchrun)
     namespace = {"launch": launch, "runtime": runtime, "json": json, "pathlib": pathlib}
-    namespace.update(sweep_device_plan=comm_cost.sweep_device_plan, link_label=link_label)
+    namespace.update(sweep_device_plan=sweep_device_plan, link_label=link_label)
     for first_line in (
         "WORLD_SIZES = ",
         "plan = sweep_device_plan(",

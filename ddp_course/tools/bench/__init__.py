@@ -3,7 +3,8 @@
 One idea per module, everything importable from here: :mod:`.bandwidth` (algbw and
 busbw as nccl-tests' PERFORMANCE.md defines them, the sizes of a sweep), :mod:`.timing`
 (every rank at once, the slowest rank per iteration, median and interquartile range)
-and :mod:`.cost_models` (alpha-beta fits and what they predict). Result files:
+and :mod:`.cost_models` (alpha-beta fits and what they predict); :mod:`.links` (one
+device plan for a sweep over world sizes, and the name of the link it measured). Result files:
 :mod:`ddp_course.tools.records`.
 """
 
@@ -27,6 +28,7 @@ from .cost_models import (
     ring_all_reduce_time,
     scaling_efficiency,
 )
+from .links import link_label, sweep_device_plan
 from .timing import (
     Timing,
     runnable_tasks,
@@ -48,6 +50,7 @@ __all__ = [
     "busbw_plateau",
     "fit_alpha_beta",
     "fit_each",
+    "link_label",
     "format_bytes",
     "message_sizes",
     "parameter_server_time",
@@ -57,6 +60,7 @@ __all__ = [
     "scaling_efficiency",
     "slowest_rank",
     "summarize",
+    "sweep_device_plan",
     "time_interleaved",
     "time_op",
 ]
