@@ -23,7 +23,8 @@ Each call is one record (:attr:`CollectiveLog.calls`), a dict:
 - ``shape``, ``dtype``: of the whole tensor (below); ``bytes``: its size. The
   whole tensor is the all-reduce's, broadcast's and reduce's tensor, the
   all-gather's output, the reduce-scatter's and the all-to-all's input, the
-  tensor sent or received; a coalesced call sums its tensors. So the calls
+  scatter's and the gather's N pieces (on every rank, though only the root
+  holds them), the tensor sent or received; a coalesced call sums its tensors. So the calls
   compare directly with the formulas of a ring;
 - ``sent``: the bytes this rank sends to other ranks where the call alone says
   it: an all-to-all's rows for the other ranks, a send's tensor, 0 for a
@@ -104,6 +105,8 @@ OPS = {
 
 # Which argument holds the whole tensor (see the module docstring), by op.
 _WHOLE = {"all_gather": ("output_tensor", "output_tensors", "outputs", "output_lists", "out")}
+# Scatter and gather: the argument that holds this rank's own piece (c10d's schema).
+_PIECE = {"scatter": "output_tensors", "gather": "input_tensors"}
 _INPUT = ("input_tensor", "input_tensors", "inputs", "input_list", "input", "tensors", "tensor")
 
 
@@ -211,9 +214,13 @@ class CollectiveLog(TorchDispatchMode):
     def record(self, phase: str | None, op: str, path: str, named: dict) -> dict:
         """The record of one call; ``named``: the operator's arguments by schema name."""
         size, rank, dims = self._group(named)
-        whole = next((_tensors(named[k]) for k in _WHOLE.get(op, ()) if k in named), None)
-        if whole is None:
-            whole = next(_tensors(named[k]) for k in _INPUT if k in named)
+        if op in _PIECE:
+            # Only the root holds the N pieces; every rank holds its own piece.
+            whole = _tensors(named[_PIECE[op]]) * size
+        else:
+            whole = next((_tensors(named[k]) for k in _WHOLE.get(op, ()) if k in named), None)
+            if whole is None:
+                whole = next(_tensors(named[k]) for k in _INPUT if k in named)
         nbytes = _nbytes(whole)
         if op == "all_gather" and path == "functional" and "out" not in named:
             nbytes *= named["group_size"]  # the output is not an argument

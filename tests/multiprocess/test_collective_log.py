@@ -34,7 +34,8 @@ def brief(calls, *keys):
 def test_each_torch_distributed_function_is_one_record_of_known_size(ranks):
     for r in ranks:
         expect = {"all_reduce": 192, "all_gather": 192 * N, "reduce_scatter": 192 * N,
-                  "broadcast": 192, "all_to_all": (r["rank"] + 1) * N * 16}  # fmt: skip
+                  "broadcast": 192, "all_to_all": (r["rank"] + 1) * N * 16,
+                  "scatter": 192 * N, "gather": 192 * N}  # fmt: skip
         for op, nbytes in expect.items():
             assert brief(phase(r, op), "op", "path", "bytes", "group_size", "dims") == [
                 (op, "c10d", nbytes, N, "dp+tp")  # the whole job: every mesh dimension

@@ -55,6 +55,13 @@ def plain(ctx, log, out):
                                output_split_sizes=receive, input_split_sizes=splits)  # fmt: skip
     with log.recording("broadcast"):
         dist.broadcast(t, src=0)
+    # Rank 0 holds the N pieces; the others hold only their own, and the record is the
+    # same on every rank.
+    pieces = [torch.ones(6, 4, dtype=torch.float64) for _ in range(n)] if rank == 0 else None
+    with log.recording("scatter"):
+        dist.scatter(torch.empty(6, 4, dtype=torch.float64), pieces, src=0)
+    with log.recording("gather"):
+        dist.gather(t, pieces, dst=0)
     with log.recording("p2p"):
         ops = [dist.P2POp(dist.isend, t, (rank + 1) % n),
                dist.P2POp(dist.irecv, torch.empty_like(t), (rank - 1) % n)]  # fmt: skip
