@@ -23,6 +23,13 @@ torch.distributed.checkpoint (DIR/sharded/, one file per rank), then loaded
 back into a fresh model as below, at the same world size.
 --resume DIR: a fresh FSDP2 model and optimizer, at this job's world size,
 load DIR/sharded/; gathered to rank 0 they must equal DIR/full.pt.
+--prefetch: FSDP2 (reshard_after_forward=True) once more, with and without explicit
+prefetching (set_modules_to_forward_prefetch, set_modules_to_backward_prefetch):
+the order of its collectives and of the units' forward and backward
+(ddp_course.tools.fsdp_units.UnitOrder), and parameters equal bit for bit.
+--meta-init: FSDP2 built on the meta device, sharded, allocated with to_empty and
+loaded from rank 0's full state dict (broadcast_from_rank0); the bytes each rank
+holds on the way; equal to the model built normally, before and after training.
 """
 
 import argparse
@@ -39,6 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
     get_state_dict,
+    set_model_state_dict,
     set_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
@@ -52,6 +60,8 @@ from ddp_course.data import synthetic_classification
 from ddp_course.models import MLP
 from ddp_course.runtime import distributed, get_logger, no_tf32, pick_backend, pick_device
 from ddp_course.sharding import FP32_ADAM, state_bytes_per_rank
+from ddp_course.tools.collective_log import CollectiveLog
+from ddp_course.tools.fsdp_units import UnitOrder, parameter_storage_bytes
 from ddp_course.tools.records import write_results
 from ddp_course.tools.zero_counts import CollectiveBytes, held_bytes
 
@@ -71,6 +81,10 @@ def parse_args():
     p.add_argument("--lr", type=float, default=1e-3, help="Adam's learning rate")
     p.add_argument("--checkpoint", help="save the FSDP2 model and optimizer in this folder")
     p.add_argument("--resume", help="load a folder written by --checkpoint and compare")
+    p.add_argument("--prefetch", action="store_true",
+                   help="FSDP2 with and without explicit prefetching, compared")  # fmt: skip
+    p.add_argument("--meta-init", action="store_true",
+                   help="FSDP2 built on the meta device and loaded from rank 0")  # fmt: skip
     p.add_argument("--results", help="write the measurements here as JSON (rank 0)")
     return p.parse_args()
 
@@ -112,12 +126,14 @@ def all_gathers(counts):
     return sum(v for k, v in counts.items() if "all_gather" in str(k) or "allgather" in str(k))
 
 
-def train(args, kind, batches, ctx, mesh, fsdp_seed=0):
-    """One variant for args.steps steps; returns the model, optimizer and measurements."""
-    if kind in ("DDP", "ZeroRedundancyOptimizer"):
+def train(args, kind, batches, ctx, mesh, fsdp_seed=0, model=None):
+    """One variant for args.steps steps; returns the model, optimizer and measurements.
+
+    model: an FSDP2 model built by the caller, trained as it is."""
+    if model is None and kind in ("DDP", "ZeroRedundancyOptimizer"):
         # Ranks start elsewhere on purpose: DDP broadcasts rank 0's weights.
         model = DDP(make_model(args, ctx.rank, ctx))
-    else:
+    elif model is None:
         # NEW: fully_shard broadcasts nothing, each rank keeps its slice of its own
         # weights: every rank must build the same model (same seed) or load a checkpoint.
         model = shard_model(make_model(args, fsdp_seed, ctx), mesh,
@@ -229,6 +245,77 @@ def resume_checkpoint(args, folder, ctx, mesh):
     return out
 
 
+def units_of(model):
+    """The MLP's FSDP2 units by name: its Linear layers, in forward order."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+def set_prefetch(model):
+    """NEW: explicit prefetching. In forward each unit all-gathers the next one right after
+    its own; in backward the last unit all-gathers every unit before it, nearest first."""
+    units = list(units_of(model).values())
+    for unit, after in zip(units, units[1:]):
+        unit.set_modules_to_forward_prefetch([after])
+    units[-1].set_modules_to_backward_prefetch(units[-2::-1])
+
+
+def prefetch_runs(args, batches, ctx, mesh):
+    """FSDP2 (reshard_after_forward=True) without and with explicit prefetching, in order."""
+    out, params = {}, {}
+    for prefetch in (False, True):
+        model = shard_model(make_model(args, 0, ctx), mesh, reshard_after_forward=True)
+        if prefetch:
+            set_prefetch(model)
+        order = UnitOrder(units_of(model))
+        with order.recording():
+            model, _, measured = train(args, f"prefetch={prefetch}", batches, ctx, mesh,
+                                       model=model)  # fmt: skip
+        params[prefetch] = full_parameters(model)
+        out[prefetch] = {"events": order.events, "losses": measured["losses"]}
+    # Prefetching changes when a unit is gathered, not what is computed: bit for bit.
+    torch.testing.assert_close(params[True], params[False], rtol=0, atol=0)
+    return {"without": out[False], "with": out[True], "units": list(units_of(model)),
+            "gap": max((params[True][k] - params[False][k]).abs().max().item()
+                       for k in params[False])}  # fmt: skip
+
+
+def meta_init(args, batches, ctx, mesh, trained_normally):
+    """FSDP2 built on meta, sharded, allocated, loaded from rank 0: bytes held on the way,
+    equal to the model built normally before training and (trained_normally) after."""
+    normal = make_model(args, 0, ctx)
+    held = {"normal: built": parameter_storage_bytes(normal)}
+    reference = full_parameters(normal)  # built normally, in this process alone
+    shard_model(normal, mesh, reshard_after_forward=True)
+    held["normal: fully_shard"] = parameter_storage_bytes(normal)
+    with torch.device("meta"):  # NEW: shapes and dtypes, no memory
+        model = MLP(hidden=args.hidden)
+    held["meta: built"] = parameter_storage_bytes(model)
+    shard_model(model, mesh, reshard_after_forward=True)
+    held["meta: fully_shard"] = parameter_storage_bytes(model)
+    model.to_empty(device=ctx.device)  # NEW: this rank's shards, not initialised yet
+    held["meta: to_empty"] = parameter_storage_bytes(model)
+    # NEW: rank 0 alone holds the whole model (built here; in practice loaded from a file);
+    # it sends one tensor at a time, each rank keeps its rows.
+    full = make_model(args, 0, ctx).state_dict() if ctx.is_main else {}
+    held["meta: full state dict"] = sum(t.numel() * t.element_size() for t in full.values())
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    loading = CollectiveLog()
+    with loading.recording():
+        set_model_state_dict(model, full, options=options)
+    del full
+    held["meta: loaded"] = parameter_storage_bytes(model)
+    loaded = full_parameters(model)
+    torch.testing.assert_close(loaded, reference, rtol=0, atol=0)  # rank 0's model, everywhere
+    model, _, measured = train(args, "meta init", batches, ctx, mesh, model=model)
+    trained = full_parameters(model)
+    torch.testing.assert_close(trained, trained_normally, rtol=0, atol=0)
+    return {"held": held, "losses": measured["losses"],
+            "broadcasts": [(c["dtype"], c["shape"], c["bytes"]) for c in loading.calls],
+            "loaded_gap": max((loaded[k] - reference[k]).abs().max().item() for k in reference),
+            "trained_gap": max((trained[k] - trained_normally[k]).abs().max().item()
+                               for k in trained)}  # fmt: skip
+
+
 def main():
     args = parse_args()
     # One plain process on a GPU gets an nccl group of one, as torchrun's ranks would:
@@ -262,10 +349,24 @@ def main():
                 per_rank = [None] * n
                 dist.all_gather_object(per_rank, measured)
                 variants[kind] = per_rank
+                if kind == kinds[2]:
+                    fsdp_params = params  # reshard_after_forward=True, built normally
                 log.info(f"{kind:34s} losses {[round(v, 4) for v in measured['losses']]}, "
                          f"|param - DDP| {measured['gap']:.1e}, rank 0 holds "
                          f"{sum(measured['held'].values()) / 1e6:.3f} MB, "
                          f"sent {measured['sent_bytes'] / 1e6:.3f} MB in a step")  # fmt: skip
+            if args.prefetch:
+                results["prefetch"] = prefetch_runs(args, batches, ctx, mesh)
+                log.info(f"FSDP2 with explicit prefetching: |param - without| "
+                         f"{results['prefetch']['gap']:.1e}")  # fmt: skip
+            if args.meta_init:
+                meta = meta_init(args, batches, ctx, mesh, fsdp_params)
+                per_rank = [None] * n
+                dist.all_gather_object(per_rank, meta)
+                results["meta_init"] = per_rank
+                log.info(f"FSDP2 built on meta, loaded from rank 0: |param - built normally| "
+                         f"{meta['loaded_gap']:.1e}, after training "
+                         f"{meta['trained_gap']:.1e}")  # fmt: skip
             # What the same seed is for: FSDP2 with each rank's own start trains a mix.
             mixed, _, _ = train(args, kinds[2], batches, ctx, mesh, fsdp_seed=ctx.rank)
             mixed = full_parameters(mixed)

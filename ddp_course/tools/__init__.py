@@ -1,6 +1,8 @@
 """Measuring and diagnosing distributed jobs: ``collective_log`` (every collective a
 rank runs, whichever code path issued it: op, bytes, group), ``zero_counts`` (the bytes of
-state a rank holds and of the collectives it ran, lesson 09), ``mesh_counts`` (a layout's
+state a rank holds and of the collectives it ran, lesson 09), ``fsdp_units`` (FSDP2's
+units: the order of their all-gathers and forwards, the bytes a model's parameters
+occupy, lesson 09), ``mesh_counts`` (a layout's
 training step counted per phase and mesh dimension, lesson 13), ``saved_tensors`` (the bytes
 autograd saves for backward, each storage once, lessons 13 and 14), ``op_counts`` (the ATen
 operations that run: what a checkpoint recomputes, lesson 14), ``peak_memory`` (a training

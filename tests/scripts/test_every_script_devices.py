@@ -25,7 +25,8 @@ this is a static check of the source (``ast``), with these definitions:
   ``.device`` (``ctx.device``, ``x.device``) or a name ``device``, ``dev`` or
   ending in ``_device``; ``.to("cpu")`` is not a move.
 - a construction or a batch source is **placed** when
-  (1) its value reaches ``.to(D)``: directly (``LayerStack(...).to(ctx.device)``),
+  (1) its value reaches ``.to(D)`` (or ``.to_empty(device=D)``, for a model built on
+  ``meta``): directly (``LayerStack(...).to(ctx.device)``),
   through attributes, indexing and method calls (``images[idx].to(D)``,
   ``torch.randint(...).float().to(D)``), arithmetic, tuples and lists;
   (2) it has a keyword ``device=D``;
@@ -158,10 +159,11 @@ def _is_device_expr(node: ast.AST) -> bool:
 
 
 def _is_to_device(call: ast.AST) -> bool:
-    """``<x>.to(D, ...)`` or ``<x>.to(device=D)``."""
+    """``<x>.to(D, ...)``, ``<x>.to(device=D)`` or ``<x>.to_empty(device=D)`` (a model built
+    on the ``meta`` device gets its memory there)."""
     if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)):
         return False
-    if call.func.attr != "to":
+    if call.func.attr not in ("to", "to_empty"):
         return False
     return any(_is_device_expr(a) for a in call.args) or any(
         k.arg == "device" and _is_device_expr(k.value) for k in call.keywords
