@@ -131,9 +131,11 @@ def parameter_digest(model: nn.Module) -> str:
 def train(ctx: DistContext, args: argparse.Namespace) -> None:
     log = get_logger(ctx)
     me = who_am_i(ctx)
+    # One write per line: every rank of a node shares the job's output, and print's
+    # separate newline let two ranks' lines run together.
     print(f"global rank {me['rank']}, local rank {me['local_rank']}, group rank "
           f"{me['group_rank']}, world size {me['world_size']}, restart count "
-          f"{me['restart_count']}", flush=True)  # fmt: skip
+          f"{me['restart_count']}\n", end="", flush=True)  # fmt: skip
     ranks = gather(ctx, me)
 
     seed_everything(args.seed)
