@@ -4,11 +4,8 @@ against the routing; two mistakes caught; PyTorch's all_to_all_single_autograd e
 dropless routing (capacity_factor=inf) equal to one process with or without capacity groups.
 """
 
-import pathlib
-
 import pytest
-
-from ddp_course.harness import launch
+import worker_jobs
 
 D_MODEL, EXPERTS, TOKENS = 8, 4, 12
 ARGS = ["--d-model", str(D_MODEL), "--experts", str(EXPERTS), "--tokens", str(TOKENS),
@@ -18,21 +15,13 @@ ARGS = ["--d-model", str(D_MODEL), "--experts", str(EXPERTS), "--tokens", str(TO
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}ranks")
 def job(request):
     """One launched job per world size; its results feed every test below."""
-    worker = pathlib.Path(__file__).resolve().parents[1] / "workers"
-    result = launch.torchrun(worker / "expert_parallel_check.py", ARGS, nproc=request.param,
-                             results=True, echo=False, timeout_s=240)  # fmt: skip
-    assert result.results["world_size"] == request.param
-    return result.results
-
-
-def failed(report):
-    return {name: why for name, why in report["fails"].items() if why is not None}
+    return worker_jobs.run_worker("expert_parallel_check.py", ARGS, request.param)
 
 
 def test_expert_parallel_equals_one_process_with_capacity_per_rank(job):
     reports = job["variants"]["as_written"]
     for rank, report in enumerate(reports):
-        assert failed(report) == {}, f"rank {rank}"
+        assert worker_jobs.failed(report) == {}, f"rank {rank}"
     checked = set().union(*(r["fails"] for r in reports))
     # Every expert's four parameters were compared, on the rank that holds it.
     assert {f"grad expert {e}.{p}.{w}" for e in range(EXPERTS) for p in ("fc1", "fc2")
@@ -81,7 +70,7 @@ def test_bytes_exchanged_equal_the_routing_count(job):
 
 def test_rows_not_in_the_order_of_the_splits_are_caught(job):
     for report in job["variants"]["rows_out_of_order"]:
-        fails = failed(report)
+        fails = worker_jobs.failed(report)
         # Same splits, same bytes: counting alone would not see it; the values do.
         assert report["comm"]["forward"] == {"c10d.alltoall_base_": 3}
         assert {"output", "input_grad", "router_grad"} <= set(fails)
@@ -90,7 +79,7 @@ def test_rows_not_in_the_order_of_the_splits_are_caught(job):
 
 def test_return_exchange_without_its_backward_is_caught(job):
     for report in job["variants"]["return_without_autograd"]:
-        fails = failed(report)
+        fails = worker_jobs.failed(report)
         assert "output" not in fails  # the forward is right: only gradients show it
         assert report["comm"]["backward"] == {}
         assert "input_grad" in fails
@@ -109,7 +98,7 @@ def _local(job, report):
 
 def test_pytorch_all_to_all_single_autograd_equals_ours(job):
     for report in job["variants"]["torch"]:
-        assert failed(report) == {}
+        assert worker_jobs.failed(report) == {}
         # The counts still go through dist.all_to_all_single; the rows through the
         # functional collective, whose backward is the reverse all-to-all.
         assert report["comm"] == {
@@ -122,7 +111,7 @@ def test_dropless_expert_parallel_equals_one_process_whatever_the_groups(job):
     # capacity_factor=inf: every assignment kept, so capacity groups no longer matter and
     # the expert-parallel layer equals the one-process layer over the whole batch too.
     for report in job["variants"]["dropless"]:
-        assert failed(report) == {}
+        assert worker_jobs.failed(report) == {}
         assert report["dropped"] == 0 and report["kept"] == report["routed"]
         assert report["capacity"] == TOKENS
         assert not report["global_capacity_differs"]

@@ -13,11 +13,9 @@ Formulas (per block, activations [B, T, d] of K = B T d x 8 bytes):
   sequence-parallel parameters' gradients per block after backward.
 """
 
-import pathlib
-
 import pytest
+import worker_jobs
 
-from ddp_course.harness import launch
 from ddp_course.mesh_predictions import saved_block_bytes_formula
 
 D, HEADS, LAYERS, SEQ, BATCH, STEPS = 16, 4, 2, 8, 2, 5
@@ -30,15 +28,11 @@ WIRE = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}  # x (N-1)/N K pe
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}ranks")
 def job(request):
     """One launched job per world size; its results feed every test below."""
-    worker = pathlib.Path(__file__).resolve().parents[1] / "workers"
-    result = launch.torchrun(worker / "tp_gpt_check.py", ARGS, nproc=request.param,
-                             results=True, echo=False, timeout_s=240)  # fmt: skip
-    assert result.results["world_size"] == request.param
-    return result.results
+    return worker_jobs.run_worker("tp_gpt_check.py", ARGS, request.param)
 
 
 def failed(report):
-    return {name for name, why in report["fails"].items() if why is not None}
+    return set(worker_jobs.failed(report))
 
 
 def counts(calls, phase):

@@ -3,13 +3,11 @@ all-reduces counted by wrapping dist.all_reduce and by CommDebugMode; two mistak
 PyTorch's parallelize_module equal to ours; bad sizes refused.
 """
 
-import pathlib
-
 import pytest
 import torch
+import worker_jobs
 from torch import nn
 
-from ddp_course.harness import launch
 from ddp_course.models import FeedForward
 from ddp_course.tensor_parallel import ColumnParallelLinear, ParallelFeedForward, RowParallelLinear
 
@@ -21,15 +19,7 @@ ARGS = ["--d-model", str(D_MODEL), "--hidden", str(HIDDEN), "--batch-size", str(
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}ranks")
 def job(request):
     """One launched job per world size; its results feed every test below."""
-    worker = pathlib.Path(__file__).resolve().parents[1] / "workers"
-    result = launch.torchrun(worker / "tensor_parallel_check.py", ARGS, nproc=request.param,
-                             results=True, echo=False, timeout_s=240)  # fmt: skip
-    assert result.results["world_size"] == request.param
-    return result.results
-
-
-def failed(rank_report):
-    return {name: why for name, why in rank_report["fails"].items() if why is not None}
+    return worker_jobs.run_worker("tensor_parallel_check.py", ARGS, request.param)
 
 
 def test_parallel_mlp_equals_one_process(job):
@@ -37,7 +27,7 @@ def test_parallel_mlp_equals_one_process(job):
     # weights after SGD steps: assert_close against the single-process MLP, on every rank.
     for rank, report in enumerate(job["variants"]["as_written"]):
         assert report["fails"], "the worker checked nothing"
-        assert failed(report) == {}, f"rank {rank}"
+        assert worker_jobs.failed(report) == {}, f"rank {rank}"
     checked = set(job["variants"]["as_written"][0]["fails"])
     assert {"output", "input_grad", f"grad {BLOCKS - 1}.fc2.bias"} <= checked
     assert f"after {STEPS + 1} SGD steps 0.fc1.weight" in checked
@@ -65,7 +55,7 @@ def test_each_rank_holds_its_share_of_the_weights(job):
 
 def test_f_without_its_backward_all_reduce_is_caught(job):
     for report in job["variants"]["f_backward_without_all_reduce"]:
-        fails = failed(report)
+        fails = worker_jobs.failed(report)
         assert report["counts"] == {"forward": BLOCKS, "backward": 0}
         # The forward is still right: only gradients reveal the mistake, those of
         # the first block and the input (the last block's input gradient is what is lost).
@@ -77,7 +67,7 @@ def test_f_without_its_backward_all_reduce_is_caught(job):
 
 def test_bias_added_on_every_rank_is_caught(job):
     for report in job["variants"]["bias_added_on_every_rank"]:
-        fails = failed(report)
+        fails = worker_jobs.failed(report)
         # The communication is as it should be: counting alone would not catch this.
         assert report["counts"] == {"forward": BLOCKS, "backward": BLOCKS}
         assert "output" in fails and f"grad {BLOCKS - 1}.fc2.bias" in fails
@@ -87,7 +77,7 @@ def test_parallelize_module_equals_ours_with_the_same_collectives(job):
     for report in job["torch"]:
         fails = report["fails"]
         assert len(fails) == 2 + 4 * BLOCKS
-        assert failed(report) == {}
+        assert worker_jobs.failed(report) == {}
         assert "grad 0.fc1.weight (Shard)" in fails and "grad 0.fc2.bias (Replicate)" in fails
         ours, theirs = report["counts"]["ours"], report["counts"]["torch"]
         # CommDebugMode sees our c10d all-reduces and DTensor's functional ones alike.

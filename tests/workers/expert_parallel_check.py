@@ -17,10 +17,12 @@ the exchange, counted with ``CommDebugMode``).
 """
 
 import argparse
+import functools
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+import worker_checks  # tests/workers/, the script's folder
 from torch.distributed.tensor.debug import CommDebugMode
 
 from ddp_course import expert_parallel as ep
@@ -42,13 +44,7 @@ args = parser.parse_args()
 TOL = {"rtol": 1e-12, "atol": 1e-12}  # float64, the same operations in another order
 
 
-def mismatch(actual, expected):
-    """None when close, else assert_close's first line (never raises: collectives go on)."""
-    try:
-        torch.testing.assert_close(actual, expected, **TOL)
-    except AssertionError as e:
-        return str(e).splitlines()[0]
-    return None
+mismatch = functools.partial(worker_checks.mismatch, **TOL)
 
 
 def whole_moe(capacity_factor=None):

@@ -16,9 +16,11 @@ and compares it with ours, counting both with ``CommDebugMode``.
 
 import argparse
 import contextlib
+import functools
 
 import torch
 import torch.distributed as dist
+import worker_checks  # tests/workers/, the script's folder
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
@@ -62,13 +64,7 @@ def batch(step):
     return x, torch.randn(args.batch_size, args.d_model, generator=gen)
 
 
-def mismatch(actual, expected):
-    """None when close, else assert_close's message (never raises: collectives go on)."""
-    try:
-        torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL)
-    except AssertionError as e:
-        return str(e).splitlines()[0]
-    return None
+mismatch = functools.partial(worker_checks.mismatch, rtol=RTOL, atol=ATOL)
 
 
 def gathered_grads(par):

@@ -24,6 +24,7 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+import worker_checks  # tests/workers/, the script's folder
 from torch.nn import functional
 
 from ddp_course import sequence_parallel as sp
@@ -51,12 +52,7 @@ VARIANTS = ("as_written", "f_backward_without_all_reduce", "sp_without_all_gathe
 
 
 def mismatch(actual, expected, tol):
-    """None when close, else assert_close's first line (never raises: collectives go on)."""
-    try:
-        torch.testing.assert_close(actual, expected, rtol=tol, atol=tol)
-    except AssertionError as e:
-        return str(e).splitlines()[0]
-    return None
+    return worker_checks.mismatch(actual, expected, rtol=tol, atol=tol)
 
 
 def my_part(x, ctx):
