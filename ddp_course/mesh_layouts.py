@@ -93,6 +93,27 @@ class Layout:
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence parallelism splits the tensor-parallel group: set tp > 1")
 
+    def check_model(self, n_heads: int, d_model: int, seq_len: int) -> None:
+        """Refuse, before anything is built, a TinyGPT shape this layout cannot split.
+
+        Args:
+            n_heads, d_model, seq_len: the model's attention heads, width and tokens per
+                sequence.
+
+        Raises:
+            ValueError: ``tp`` does not divide ``n_heads`` (each tensor-parallel rank keeps
+                whole heads), ``n_heads`` does not divide ``d_model``, or, with sequence
+                parallelism, ``tp`` does not divide ``seq_len``.
+        """
+        if n_heads % self.tp:
+            raise ValueError(f"tp={self.tp} does not divide the {n_heads} attention heads: "
+                             "each tensor-parallel rank keeps whole heads")  # fmt: skip
+        if d_model % n_heads:
+            raise ValueError(f"{n_heads} heads do not divide d_model={d_model}")
+        if self.sequence_parallel and seq_len % self.tp:
+            raise ValueError(f"tp={self.tp} does not divide seq_len={seq_len}: sequence "
+                             "parallelism gives each rank seq_len/tp positions")  # fmt: skip
+
     @property
     def world_size(self) -> int:
         """Ranks the layout needs: ``pp * dp * tp``."""

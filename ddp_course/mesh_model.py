@@ -73,7 +73,7 @@ def split_stages(model: TinyGPT, stages: int) -> list[GPTStage]:
 
 
 def token_mean_loss(
-    logits: torch.Tensor, targets: torch.Tensor, group=None, ignore_index: int = -100
+    logits: torch.Tensor, targets: torch.Tensor, group, ignore_index: int = -100
 ) -> torch.Tensor:
     """Cross-entropy per *global* token, for sequences padded with ``ignore_index``.
 
@@ -88,21 +88,27 @@ def token_mean_loss(
     Args:
         logits: ``[B, T, V]``, this rank's slice of the batch.
         targets: ``int64 [B, T]``; padded positions hold ``ignore_index``.
-        group: the data-parallel process group; ``None`` with no process group
-            means one process.
+        group: the data-parallel process group (the ranks that split the batch),
+            required: the default group is the world, which under tensor or pipeline
+            parallelism holds other ranks too (a pipeline's other stages never call
+            this: a hang). ``None`` only in one process, with no process group.
 
     Returns:
         A scalar in the logits' dtype.
 
     Raises:
-        ValueError: the global batch has no real token.
+        ValueError: the global batch has no real token, or ``group`` is ``None`` while a
+            process group is initialised.
     """
+    if group is None and dist.is_initialized():
+        raise ValueError("token_mean_loss needs the data-parallel group: the default group "
+                         "is the world, not the ranks that split the batch")  # fmt: skip
     total = functional.cross_entropy(
         logits.flatten(0, 1), targets.flatten(), ignore_index=ignore_index, reduction="sum"
     )
     count = (targets != ignore_index).sum().to(torch.float64)
     size = 1
-    if dist.is_initialized():
+    if group is not None:
         dist.all_reduce(count, group=group)
         size = dist.get_world_size(group)
     if count.item() == 0:
@@ -124,6 +130,10 @@ class MeshModel:
         mesh: :func:`build_mesh` of ``lay``.
         microbatches: micro-batches per step of the pipeline schedule (GPipe).
         loss_parallel: with tensor parallelism, compute the loss on vocabulary shards.
+            Ignored inside a pipeline (``lay.pp > 1``): ``loss_parallel()``'s backward
+            must run under the same context manager (PyTorch's contract), but the
+            schedule runs the loss and its backward apart, from inside ``step``; there the
+            head's logits are all-gathered whole over ``tp`` and the loss is the plain one.
         reshard_after_forward: FSDP2's choice (False keeps the gathered parameters
             for backward: fewer all-gathers, more memory).
         compute_dtype: mixed precision (``torch.bfloat16``): the parameters stay in
@@ -144,7 +154,8 @@ class MeshModel:
             raise ValueError("mixed precision with DDP inside a pipeline: use fsdp")
         self.layout, self.mesh = lay, mesh
         self.compute_dtype = compute_dtype
-        self.loss_parallel = loss_parallel and lay.tp > 1
+        # Inside a pipeline the schedule runs backward outside loss_parallel(): gather.
+        self.loss_parallel = loss_parallel and lay.tp > 1 and lay.pp == 1
         self.stage_index = mesh.get_local_rank("pp")
         module = split_stages(model, lay.pp)[self.stage_index] if lay.pp > 1 else model
         if lay.tp > 1:

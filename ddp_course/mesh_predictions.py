@@ -67,7 +67,15 @@ def expected_collectives(
       go to the next stage and their gradients come back, one send and one
       receive each: a ``stage`` that is not the last sends ``microbatches``
       activations and receives as many gradients, one that is not the first
-      receives the activations and sends the gradients.
+      receives the activations and sends the gradients. With tensor parallelism in
+      the stages (no sequence parallelism) each micro-batch makes the ``tp``
+      all-reduces above (``2 L/pp`` forward, ``4 L/pp`` backward, one more for the
+      head's input on the last stage), and the last stage all-gathers its logits
+      whole over ``tp``: inside a pipeline the loss is not vocabulary-parallel
+      (:class:`~ddp_course.mesh_model.MeshModel` says why), so no loss all-reduces.
+
+    Raises:
+        ValueError: pipeline stages with DDP, HSDP or sequence parallelism (not modelled).
 
     Returns:
         ``{"forward": {...}, "backward": {...}, "loss": {...}}`` (``{"step": {...}}``
@@ -102,11 +110,16 @@ def expected_collectives(
             bwd["all_reduce tp"] = 4 * layers + 1
     if lay.pp == 1:
         return {"forward": fwd, "backward": bwd, "loss": loss}
-    if lay.tp > 1 or lay.data != "fsdp":
-        raise ValueError("the pipeline formula covers pp x fsdp only")
+    if lay.data != "fsdp" or lay.sequence_parallel:
+        raise ValueError("the pipeline formula covers pp x fsdp and pp x tp (no sp) only")
     neighbours = (stage < lay.pp - 1) + (stage > 0)
     step = {"all_reduce pp": 1, "send pp": microbatches * neighbours,
             "recv pp": microbatches * neighbours}  # fmt: skip
+    if lay.tp > 1:
+        last = stage == lay.pp - 1
+        step["all_reduce tp"] = microbatches * (6 * layers + last)
+        if last:
+            step["all_gather tp"] = microbatches  # the logits, gathered for the plain loss
     if shard > 1:
         # The root once; with resharding, each block per micro-batch and once in backward.
         gathers = 1 + (microbatches + 1) * layers if reshard_after_forward else layers + 1

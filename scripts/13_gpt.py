@@ -4,15 +4,18 @@ Run from the repository root:
     python scripts/13_gpt.py --steps 50
     torchrun --nproc_per_node=4 scripts/13_gpt.py --dp 2 --tp 2 --steps 200 --check
     torchrun --nproc_per_node=4 scripts/13_gpt.py --suite --dtype float64 --steps 5
+On a machine with GPUs but fewer than the ranks launched, every rank must run on the CPU:
+    DDP_COURSE_DEVICE=cpu torchrun --nproc_per_node=4 scripts/13_gpt.py --dp 2 --tp 2
 
 Training (default): TinyGPT trains on the bundled Shakespeare bytes with the
 layout --pp x --dp x --tp (their product must equal the world size): every
 data-parallel rank takes its --batch-size sequences of the global batch, the
 tensor-parallel ranks split heads and MLP features (--sp: LayerNorms on a slice
-of the sequence), the pipeline ranks split the blocks. With --check the same
-ranks train DDP too (same weights, same batches) and the losses and final
-parameters are compared. Rank 0 samples text from the trained model and
-writes the loss curve, tokens/s and, on a GPU in bfloat16, the MFU to --results.
+of the sequence; --tp must divide --n-heads), the pipeline ranks split the blocks.
+With --check the same ranks train DDP too (same weights, same batches) and the
+losses and final parameters are compared. Rank 0 samples text from the trained model and
+writes the loss curve, tokens/s and, on a GPU in bfloat16, the MFU to --results
+(the peak looked up by the exact device name, or given with --peak-flops).
 tokens/s counts only the steps after the first --warmup ones (the first steps
 build communicators and caches), timed with the GPU synchronised before each
 clock read. --dtype bfloat16 is mixed precision: float32 master weights and
@@ -74,10 +77,13 @@ def parse_args():
     p.add_argument("--batch-size", type=int, default=8, help="sequences per data-parallel rank")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--d-model", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--n-layers", type=int, default=2, help="Transformer blocks")
+    p.add_argument("--n-heads", type=int, default=4, help="attention heads (--tp must divide them)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--check", action="store_true", help="train DDP too and compare")
+    p.add_argument("--peak-flops", type=float, help="GPU's dense bfloat16 peak, FLOP/s, for MFU "
+                   "(default: looked up by the exact device name)")  # fmt: skip
     p.add_argument("--sample", type=int, default=200, help="bytes of text to sample at the end")
     p.add_argument("--suite", action="store_true", help="every layout against one process")
     p.add_argument("--checkpoint", default="build/13_gpt_dcp", help="--suite: DCP folder")
@@ -157,6 +163,7 @@ def one_process(model, batches, lr):
 
 
 def max_gap(params, reference):
+    """Largest |params - reference| over the parameters named in ``params`` (a stage's)."""
     return max((params[n] - reference[n]).abs().max().item() for n in params)
 
 
@@ -247,13 +254,16 @@ def loss_normalisation_lab(ctx, config, dtype, batch):
     mine = slice(ctx.rank * per, (ctx.rank + 1) * per)
     counts = [(y[r * per : (r + 1) * per] != -100).sum().item() for r in range(ctx.world_size)]
     gaps = {}
+    group = dist.group.WORLD  # here DDP's data-parallel group spans every rank
     for way in ("mean of rank means", "global token count"):
-        model = DistributedDataParallel(new_model(config, dtype, ctx.device, 0))
+        model = DistributedDataParallel(
+            new_model(config, dtype, ctx.device, 0), process_group=group
+        )
         logits = model(x[mine])
         if way == "mean of rank means":
             loss = functional.cross_entropy(logits.flatten(0, 1), y[mine].flatten())
         else:
-            loss = token_mean_loss(logits, y[mine])
+            loss = token_mean_loss(logits, y[mine], group)
         loss.backward()
         gaps[way] = max((p.grad - reference[n]).abs().max().item()
                         for n, p in model.module.named_parameters())  # fmt: skip
@@ -280,7 +290,7 @@ def suite(args, ctx, config, dtype, log):
         params = mm.full_parameters()
         rows.append({"layout": name, "pp": lay.pp, "dp": lay.dp, "tp": lay.tp,
                      "losses": losses, "gap": max_gap(params, reference),
-                     "names": sorted(params), "moved": max_gap(start, reference)})  # fmt: skip
+                     "names": sorted(params), "moved": max_gap(params, start)})  # fmt: skip
         memory.append(memory_row(lay, mm, ctx, config, dtype, batches[-1], SUITE_LR))
         log.info(f"{name:>10}: |params - one process| <= {rows[-1]['gap']:.1e}")
     return {
@@ -331,8 +341,10 @@ def sample(params, config, dtype, ctx, new_bytes, seed):
 
 
 def run_training(args, ctx, log):
-    config = dict(d_model=args.d_model, n_heads=4, n_layers=args.layers, seq_len=args.seq_len)
+    config = dict(d_model=args.d_model, n_heads=args.n_heads, n_layers=args.n_layers,
+                  seq_len=args.seq_len)  # fmt: skip
     lay = ml.Layout("run", dp=args.dp, tp=args.tp, pp=args.pp, sequence_parallel=args.sp)
+    lay.check_model(args.n_heads, args.d_model, args.seq_len)  # --tp must divide --n-heads
     if lay.world_size != ctx.world_size:
         raise ValueError(
             f"--pp {args.pp} x --dp {args.dp} x --tp {args.tp} = {lay.world_size} ranks, "
@@ -352,7 +364,7 @@ def run_training(args, ctx, log):
     batches = global_batches(args.steps, global_batch, args.seq_len, args.seed, ctx.device)
     model = new_model(config, dtype, ctx.device, args.seed)
     n_params = sum(p.numel() for p in model.parameters())
-    n_matmul = n_params - model.tok_emb.weight.numel() - model.pos_emb.weight.numel()
+    n_matmul = flops.matmul_params(model)  # PaLM's N: not the embedding tables
     computed = set()  # the dtype the head computes in: bfloat16 under mixed precision
     model.head.register_forward_hook(lambda module, inputs, out: computed.add(str(out.dtype)))
     losses, mm, _, step_seconds = train(lay, model, batches, ctx, adamw, args.lr, compute)
@@ -374,15 +386,16 @@ def run_training(args, ctx, log):
     else:
         result["tokens_per_s"] = len(timed) * global_batch * args.seq_len / seconds
         result["median_step_s"] = statistics.median(timed)
-    why = flops.skip_reason(gpu, args.dtype)
+    peak = args.peak_flops or (flops.peak_bf16_flops(gpu) if gpu else None)
+    why = flops.skip_reason(gpu, args.dtype, args.peak_flops)
     if why is None and result["tokens_per_s"] is None:
         why = "MFU skipped: no step was timed"
     if why is None:
-        per_token = flops.flops_per_token(n_matmul, args.layers, args.d_model, args.seq_len)
+        per_token = flops.flops_per_token(n_matmul, args.n_layers, args.d_model, args.seq_len)
         per_gpu = result["tokens_per_s"] / ctx.world_size  # each GPU's share of the tokens
-        result["mfu"] = flops.mfu(per_token, per_gpu, flops.peak_bf16_flops(gpu))
-        result["flops_per_token"] = per_token
-        log.info(f"MFU {result['mfu']:.2%} of the {gpu}'s dense bfloat16 peak")
+        result["mfu"] = flops.mfu(per_token, per_gpu, peak)
+        result["flops_per_token"], result["peak_flops"] = per_token, peak
+        log.info(f"MFU {result['mfu']:.2%} of the {gpu}'s dense bfloat16 peak, {peak:.4g} FLOP/s")
     else:
         result["mfu_skipped"] = why
         log.info(why)

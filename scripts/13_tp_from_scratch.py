@@ -3,7 +3,9 @@
 Run from the repository root:
     python scripts/13_tp_from_scratch.py
     torchrun --nproc_per_node=2 scripts/13_tp_from_scratch.py
-    torchrun --nproc_per_node=4 scripts/13_tp_from_scratch.py --heads 8
+    torchrun --nproc_per_node=4 scripts/13_tp_from_scratch.py --n-heads 8
+On a machine with GPUs but fewer than the ranks launched, every rank must run on the CPU:
+    DDP_COURSE_DEVICE=cpu torchrun --nproc_per_node=2 scripts/13_tp_from_scratch.py
 
 Every rank builds the same TinyGPT in float64 and splits each block over all
 ranks: attention heads and MLP hidden features by Megatron-LM's column/row
@@ -39,8 +41,8 @@ BLOCK_TOL, GPT_TOL = 1e-12, 1e-10  # float64: a block's rounding, then 5 steps o
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--d-model", type=int, default=32, help="model width d")
-    p.add_argument("--heads", type=int, default=4, help="attention heads (split over ranks)")
-    p.add_argument("--layers", type=int, default=2, help="Transformer blocks")
+    p.add_argument("--n-heads", type=int, default=4, help="attention heads (split over ranks)")
+    p.add_argument("--n-layers", type=int, default=2, help="Transformer blocks")
     p.add_argument("--seq-len", type=int, default=16, help="tokens per sample T (split with SP)")
     p.add_argument("--batch-size", type=int, default=4, help="samples B (not split)")
     p.add_argument("--steps", type=int, default=5, help="SGD steps of the whole model")
@@ -51,7 +53,7 @@ def parse_args():
 
 def whole_gpt(args, device, seed=0):
     torch.manual_seed(seed)  # the same weights on every rank
-    return TinyGPT(d_model=args.d_model, n_heads=args.heads, n_layers=args.layers,
+    return TinyGPT(d_model=args.d_model, n_heads=args.n_heads, n_layers=args.n_layers,
                    seq_len=args.seq_len, flash=False).double().to(device)  # fmt: skip
 
 
@@ -67,7 +69,7 @@ def my_part(x, ctx):
 def block_check(args, ctx, sequence_parallel):
     """One block, forward and backward, against one process; its collectives per phase."""
     torch.manual_seed(0)
-    ref = Block(args.d_model, args.heads, flash=False).double().to(ctx.device)
+    ref = Block(args.d_model, args.n_heads, flash=False).double().to(ctx.device)
     # NEW: heads and hidden features split over the ranks; with SP also the sequence.
     par = sp.ParallelBlock(ref, ctx.rank, ctx.world_size, sequence_parallel=sequence_parallel)
     par = par.to(ctx.device)  # already there: built from ref's weights
@@ -184,8 +186,8 @@ def dropout_lab(args, ctx, seed=7):
             torch.manual_seed(seed)  # the weights and the default generator: equal everywhere
             whole = TinyGPT(
                 d_model=args.d_model,
-                n_heads=args.heads,
-                n_layers=args.layers,
+                n_heads=args.n_heads,
+                n_layers=args.n_layers,
                 seq_len=args.seq_len,
                 dropout=0.5,
                 flash=False,
@@ -206,7 +208,7 @@ def dropout_lab(args, ctx, seed=7):
                     lm_loss(par(x), y).backward()
                 steps.append(masks)
             residual = "sequence shard" if seq_par else "replicated residual"
-            names = ["replicated embeddings", *["heads", residual, residual] * args.layers]
+            names = ["replicated embeddings", *["heads", residual, residual] * args.n_layers]
             for i, region in enumerate(names):
                 row = out.setdefault((way, layout, region), [True, False])
                 for masks in steps:
@@ -229,7 +231,7 @@ def dropout_lab(args, ctx, seed=7):
 def saved_block_bytes(args, ctx, seq_par):
     """Bytes one whole block (dropout 0.1, explicit attention) saves for backward here."""
     torch.manual_seed(0)
-    whole = Block(args.d_model, args.heads, dropout=0.1, flash=False).double()
+    whole = Block(args.d_model, args.n_heads, dropout=0.1, flash=False).double()
     par = sp.ParallelBlock(whole, ctx.rank, ctx.world_size, sequence_parallel=seq_par)
     par = par.to(ctx.device)
     x = torch.randn(args.batch_size, args.seq_len, args.d_model, dtype=torch.float64,
@@ -244,7 +246,7 @@ def saved_block_bytes(args, ctx, seq_par):
     # CUDA's fused dropout keeps a 1-byte mask; the CPU's a float64 one.
     mask = 1 if ctx.device.type == "cuda" else 8
     formula = saved_block_bytes_formula(
-        args.batch_size, args.seq_len, args.d_model, args.heads, ctx.world_size, seq_par, 8, mask
+        args.batch_size, args.seq_len, args.d_model, args.n_heads, ctx.world_size, seq_par, 8, mask
     )
     return {"bytes": out["bytes"], "formula": formula,
             "whole [B, T, d] kept": sum(s in whole_shape for s in out["shapes"])}  # fmt: skip
@@ -256,7 +258,7 @@ def main():
         log = get_logger(ctx)
         n = ctx.world_size
         result = {"world_size": n, "batch_size": args.batch_size, "seq_len": args.seq_len,
-                  "d_model": args.d_model, "heads": args.heads, "layers": args.layers,
+                  "d_model": args.d_model, "heads": args.n_heads, "layers": args.n_layers,
                   "steps": args.steps, "block": {}, "gpt": {}}  # fmt: skip
         ref = reference_training(args, ctx.device)
         for name, seq_par in (("TP", False), ("TP+SP", True)):
@@ -275,7 +277,7 @@ def main():
         saved = {}
         for name, seq_par in (("TP", False), ("TP+SP", True)):
             torch.manual_seed(0)
-            whole = Block(args.d_model, args.heads).double()
+            whole = Block(args.d_model, args.n_heads).double()
             par = sp.ParallelBlock(whole, ctx.rank, n, sequence_parallel=seq_par).to(ctx.device)
             x = torch.randn(args.batch_size, args.seq_len, args.d_model, dtype=torch.float64,
                             device=ctx.device)  # fmt: skip

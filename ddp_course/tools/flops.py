@@ -20,7 +20,16 @@ matches the SXM, PCIe and NVL cards, whose peaks differ by a third).
 
 from __future__ import annotations
 
-__all__ = ["PEAK_BF16_FLOPS", "flops_per_token", "mfu", "peak_bf16_flops", "skip_reason"]
+from torch import nn
+
+__all__ = [
+    "PEAK_BF16_FLOPS",
+    "flops_per_token",
+    "matmul_params",
+    "mfu",
+    "peak_bf16_flops",
+    "skip_reason",
+]
 
 # Dense bfloat16 Tensor Core peak, FLOP/s, per device name; each figure is half the
 # "with sparsity" one of the NVIDIA data sheet named beside it.
@@ -65,21 +74,37 @@ def peak_bf16_flops(device_name: str) -> float | None:
     return PEAK_BF16_FLOPS.get(device_name.strip())
 
 
-def skip_reason(device_name: str, dtype: str) -> str | None:
+def skip_reason(device_name: str, dtype: str, peak_flops: float | None = None) -> str | None:
     """Why no MFU is reported for a run of ``dtype`` on ``device_name``; ``None`` if it can be.
 
     Args:
         device_name: ``torch.cuda.get_device_name()``, or ``""`` for a run on a CPU.
         dtype: the run's compute dtype by name (``"bfloat16"``, ``"float32"``, ...): the
             peaks are bfloat16 ones, so only a bfloat16 run is compared with them.
+        peak_flops: the GPU's dense bfloat16 peak given by hand (a script's
+            ``--peak-flops``), FLOP/s; ``None``: looked up in :data:`PEAK_BF16_FLOPS`.
     """
     if not device_name:
         return "MFU skipped: a CPU run has no GPU peak to compare with"
     if dtype != "bfloat16":
         return f"MFU skipped: the peaks are bfloat16 ones, and this run computes in {dtype}"
-    if peak_bf16_flops(device_name) is None:
-        return f"MFU skipped: no peak known for {device_name}"
+    if peak_flops is None and peak_bf16_flops(device_name) is None:
+        return f"MFU skipped: no peak known for {device_name} (give it with --peak-flops)"
     return None
+
+
+def matmul_params(model: nn.Module) -> int:
+    """``N`` of :func:`flops_per_token`: the parameters of ``model`` outside embedding tables.
+
+    An ``nn.Embedding`` looks rows up and multiplies nothing, so its weight is left out
+    (PaLM, appendix B, counts non-embedding parameters); every other parameter counts
+    once, even where it is used twice.
+
+    Returns:
+        A number of parameters (elements).
+    """
+    embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    return sum(p.numel() for p in model.parameters() if id(p) not in embedded)
 
 
 def flops_per_token(params: int, n_layers: int, d_model: int, seq_len: int) -> int:

@@ -31,7 +31,7 @@ def test_gpt_plain_run_matches_ddp_on_a_gpu(root):
     # though cuBLAS may pick other kernels for FSDP2's gathered copies of the weights.
     assert r["losses"] == pytest.approx(r["ddp_losses"], rel=1e-5)
     assert r["param_gap"] <= 1e-4
-    assert r["sample"].startswith("ROMEO:")
+    assert len(r["sample"]) == len("ROMEO:") + 8  # the prompt and --sample 8 new bytes
 
 
 @needs_gpu
@@ -46,7 +46,7 @@ def test_gpt_bfloat16_records_tokens_per_s_and_mfu(root):
     assert r["head_output_dtypes"] == ["torch.bfloat16"]  # bfloat16 compute
     assert r["timed_steps"] == 20 and r["tokens_per_s"] > 0
     if flops.peak_bf16_flops(r["gpu"]) is None:
-        assert r["mfu_skipped"] == f"MFU skipped: no peak known for {r['gpu']}"
+        assert r["mfu_skipped"] == flops.skip_reason(r["gpu"], "bfloat16")
     else:
         assert 0 < r["mfu"] < 1, r["mfu"]
 

@@ -1,6 +1,8 @@
 """Lesson 13's FSDP x TP layout on 4 gloo ranks against one process, and three mistakes
 that a wrong mesh dimension or a wrong loss scale makes: each must move the parameters
-away from one process's. The correct layouts all run in tests/scripts/test_lesson13.py.
+away from one process's. Pipeline stages with tensor parallelism (pp 2 x tp 2) against
+one process, with their collectives against the formula. The correct layouts all run in
+tests/scripts/test_lesson13.py.
 """
 
 import pathlib
@@ -30,6 +32,19 @@ def test_fsdp_x_tp_equals_one_process(job):
                                      "fsdp over tp"])  # fmt: skip
 def test_mistake_is_caught(job, mistake):
     assert job["gaps"][mistake] > 1e-3, mistake
+
+
+def test_pipeline_with_tensor_parallelism_equals_one_process(job):
+    # Each stage's ranks hold their stage's parameters, equal to one process's; the two
+    # stages together hold them all. The loss inside the pipeline is the plain one on
+    # gathered logits: loss_parallel()'s backward would run outside its context manager.
+    by_rank = job["pp x tp"]
+    for rank, r in enumerate(by_rank):
+        assert r["gap"] <= TOL, (rank, r["gap"])
+        assert r["counts"] == r["formula"], (rank, r["counts"])
+    assert by_rank[0]["names"] == by_rank[1]["names"] != by_rank[2]["names"]
+    assert set(by_rank[0]["names"]) | set(by_rank[2]["names"]) == set(job["all_names"])
+    assert by_rank[3]["counts"]["step"]["all_gather tp"] == 2  # the logits, per micro-batch
 
 
 def test_bad_sizes_are_refused_with_what_to_do(job):

@@ -28,6 +28,17 @@ def test_layouts_need_pp_dp_tp_ranks():
     assert ml.layout("ddp").shape == (1, 4, 1, 1)
 
 
+def test_a_layout_refuses_a_model_it_cannot_split():
+    # 13_gpt.py calls check_model with --n-heads, --d-model and --seq-len before building.
+    ml.Layout("x", tp=4).check_model(8, 64, 64)
+    with pytest.raises(ValueError, match="tp=4 does not divide the 2 attention heads"):
+        ml.Layout("x", tp=4).check_model(2, 64, 64)
+    with pytest.raises(ValueError, match="do not divide d_model"):
+        ml.Layout("x", tp=2).check_model(6, 64, 64)
+    with pytest.raises(ValueError, match="seq_len=6"):
+        ml.Layout("x", tp=4, sequence_parallel=True).check_model(4, 64, 6)
+
+
 def test_mesh_groups_of_a_3d_layout():
     g = ml.mesh_groups((2, 2, 2), ("pp", "dp", "tp"))
     # Written out by hand: tp peers are neighbours, dp peers 2 apart, pp peers 4 apart.
@@ -106,8 +117,18 @@ def test_collective_formula_on_the_2_block_model():
                            "send pp": 2, "recv pp": 2}}  # fmt: skip
     middle = predict.expected_collectives(ml.Layout("x", pp=4, dp=1), 4, microbatches=3, stage=1)
     assert middle["step"]["send pp"] == middle["step"]["recv pp"] == 6
-    with pytest.raises(ValueError, match="pp x fsdp only"):
-        predict.expected_collectives(ml.Layout("x", pp=2, tp=2), 2)
+    # pp x tp: the tp all-reduces per micro-batch; the last stage gathers its logits
+    # (no vocabulary-parallel loss inside a pipeline). Measured on 4 gloo ranks by
+    # tests/multiprocess/test_gpt_layouts.py.
+    pp_tp = ml.Layout("x", pp=2, tp=2)
+    first = predict.expected_collectives(pp_tp, 2, microbatches=2, stage=0)["step"]
+    last = predict.expected_collectives(pp_tp, 2, microbatches=2, stage=1)["step"]
+    assert first == {"all_reduce pp": 1, "send pp": 2, "recv pp": 2, "all_reduce tp": 12}
+    assert last == {**first, "all_reduce tp": 14, "all_gather tp": 2}
+    with pytest.raises(ValueError, match="no sp"):
+        predict.expected_collectives(ml.Layout("x", pp=2, tp=2, sequence_parallel=True), 2)
+    with pytest.raises(ValueError, match="no sp"):
+        predict.expected_collectives(ml.Layout("x", pp=2, dp=2, data="ddp"), 2)
 
 
 def test_token_mean_loss_in_one_process_is_the_mean_over_real_tokens():
@@ -115,9 +136,21 @@ def test_token_mean_loss_in_one_process_is_the_mean_over_real_tokens():
     y = torch.randint(0, 7, (3, 5))
     y[0, 2:] = -100
     want = functional.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
-    torch.testing.assert_close(token_mean_loss(logits, y), want, rtol=1e-12, atol=0)
+    torch.testing.assert_close(token_mean_loss(logits, y, None), want, rtol=1e-12, atol=0)
     with pytest.raises(ValueError, match="no token"):
-        token_mean_loss(logits, torch.full_like(y, -100))
+        token_mean_loss(logits, torch.full_like(y, -100), None)
+
+
+def test_token_mean_loss_wants_the_data_parallel_group():
+    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    logits, y = torch.randn(1, 2, 7), torch.randint(0, 7, (1, 2))
+    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=0, world_size=2)
+    try:
+        with pytest.raises(ValueError, match="data-parallel group"):
+            token_mean_loss(logits, y, None)  # the default group would be the world
+        token_mean_loss(logits, y, dist.group.WORLD)  # named: accepted
+    finally:
+        dist.destroy_process_group()
 
 
 def test_tensor_bytes():

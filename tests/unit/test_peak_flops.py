@@ -42,8 +42,10 @@ def test_an_unknown_or_partial_name_has_no_peak(name):
 
 def test_skip_reasons_name_what_is_missing():
     assert flops.skip_reason("NVIDIA RTX A1000", "bfloat16") == (
-        "MFU skipped: no peak known for NVIDIA RTX A1000"
+        "MFU skipped: no peak known for NVIDIA RTX A1000 (give it with --peak-flops)"
     )
+    assert flops.skip_reason("NVIDIA RTX A1000", "bfloat16", peak_flops=1e14) is None
+    assert "CPU" in flops.skip_reason("", "bfloat16", peak_flops=1e14)
     assert "CPU" in flops.skip_reason("", "bfloat16")
     assert "float32" in flops.skip_reason("NVIDIA H100 80GB HBM3", "float32")
 
@@ -57,3 +59,14 @@ def test_flops_per_token_and_mfu():
         flops.mfu(1, 1, 0)
     with pytest.raises(ValueError, match="negative"):
         flops.flops_per_token(-1, 2, 8, 4)
+
+
+def test_matmul_params_leave_out_the_embedding_tables():
+    from ddp_course.models import TinyGPT
+
+    d, L, V, T = 16, 2, 256, 16
+    model = TinyGPT(d_model=d, n_heads=4, n_layers=L, seq_len=T)
+    # Everything but the token (V x d) and position (T x d) tables: blocks, ln_f, head.
+    assert flops.matmul_params(model) == L * (12 * d * d + 13 * d) + 2 * d + V * d
+    total = sum(p.numel() for p in model.parameters())
+    assert flops.matmul_params(model) == total - V * d - T * d

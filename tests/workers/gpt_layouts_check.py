@@ -5,9 +5,12 @@ few steps on the same global batches as one process; then three mistakes run the
 way: the data sliced by the tensor-parallel coordinate instead of the data-parallel one
 (mesh dimensions swapped), the loss summed over data-parallel ranks instead of averaged,
 and FSDP applied over the tensor-parallel dimension (gradients averaged over ranks that
-hold the same data). Also: a mesh built for the wrong world size, and tensor parallelism
-over more ranks than heads, must raise ValueError. The worker records, never asserts in
-between, so every rank runs the same collectives.
+hold the same data). Then pipeline stages with tensor parallelism (pp 2 x tp 2), whose
+loss cannot be vocabulary-parallel (the schedule runs backward outside ``loss_parallel()``;
+``MeshModel`` gathers the logits instead): its stage's parameters against one process, and
+its second step's collectives against ``expected_collectives``. Also: a mesh built for the
+wrong world size, and tensor parallelism over more ranks than heads, must raise ValueError.
+The worker records, never asserts in between, so every rank runs the same collectives.
 
     torchrun --nproc_per_node=4 tests/workers/gpt_layouts_check.py
 """
@@ -19,10 +22,12 @@ import torch
 from torch.distributed.fsdp import fully_shard
 
 from ddp_course import mesh_layouts as ml
+from ddp_course import mesh_predictions as predict
 from ddp_course.data import lm_batch, shakespeare_bytes
 from ddp_course.mesh_model import MeshModel
 from ddp_course.models import TinyGPT, lm_loss
 from ddp_course.runtime import distributed
+from ddp_course.tools.mesh_counts import count_step
 from ddp_course.tools.records import write_results
 
 warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
@@ -93,6 +98,26 @@ def train(ctx, data, variant):
     return mm.full_parameters()
 
 
+def pipeline_with_tp(ctx, data, ref):
+    """pp 2 x tp 2 (GPipe, 2 micro-batches): this stage's largest gap from one process, its
+    parameter names, and the second step's collectives beside the formula."""
+    lay = ml.Layout("pp x tp", pp=2, tp=2)
+    mm = MeshModel(fresh_model(ctx.device), lay, ml.build_mesh(lay, ctx.device.type))
+    opt = torch.optim.SGD(mm.module.parameters(), lr=LR, momentum=MOMENTUM)
+    seen = {}
+    for step, (x, y) in enumerate(data):
+        if step == 1:
+            seen = count_step(mm, x, y)[1]
+        else:
+            mm.forward_backward(x, y)
+        opt.step()
+        opt.zero_grad()
+    params = mm.full_parameters()
+    formula = predict.expected_collectives(lay, CONFIG["n_layers"], stage=mm.stage_index)
+    return {"gap": max((params[n] - ref[n]).abs().max().item() for n in params),
+            "names": sorted(params), "counts": seen, "formula": formula}  # fmt: skip
+
+
 def refused(fn):
     try:
         fn()
@@ -111,6 +136,9 @@ def main():
                         "fsdp over tp"):  # fmt: skip
             params = train(ctx, data, variant)
             gaps[variant] = max((params[n] - ref[n]).abs().max().item() for n in ref)
+        pipeline = pipeline_with_tp(ctx, data, ref)
+        by_rank = [None] * ctx.world_size
+        torch.distributed.all_gather_object(by_rank, pipeline)
         errors = {
             "world size": refused(lambda: ml.build_mesh(ml.Layout("x", dp=2), ctx.device.type)),
             "tp > heads": refused(lambda: ml.apply_tensor_parallel(
@@ -119,7 +147,9 @@ def main():
         }  # fmt: skip
         moved = max((start[n] - ref[n]).abs().max().item() for n in ref)
         write_results(ctx, args.results, {"world_size": ctx.world_size, "gaps": gaps,
-                                          "moved": moved, "errors": errors})  # fmt: skip
+                                          "moved": moved, "errors": errors,
+                                          "pp x tp": by_rank,
+                                          "all_names": sorted(ref)})  # fmt: skip
 
 
 if __name__ == "__main__":
