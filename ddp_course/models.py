@@ -364,11 +364,27 @@ class TinyGPT(nn.Module):
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``[B, T, vocab_size]`` of the tokens ``idx`` (``int64 [B, T]``).
+
+        ``positions`` (``int64 [T]``, default ``0..T-1``) are the tokens' places in
+        the sequence, which pick their position embeddings: a context-parallel rank
+        holds tokens from the middle of the sequence and passes their global
+        positions (``ddp_course.context_parallel.gpt``).
+
+        Raises:
+            ValueError: an input longer than ``seq_len``, or a position beyond it.
+        """
         seq = idx.shape[1]
         if seq > self.seq_len:
             raise ValueError(f"input of {seq} tokens is longer than seq_len={self.seq_len}")
-        positions = torch.arange(seq, device=idx.device)
+        if positions is None:
+            positions = torch.arange(seq, device=idx.device)
+        elif positions.shape != (seq,) or int(positions.max()) >= self.seq_len:
+            raise ValueError(
+                f"positions must be {seq} values below seq_len={self.seq_len}, "
+                f"got shape {tuple(positions.shape)}"
+            )
         x = self.drop(self.tok_emb(idx) + self.pos_emb(positions))
         for block in self.blocks:
             x = block(x)

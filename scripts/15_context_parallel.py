@@ -19,6 +19,11 @@ numbered per rank; torch's deprecated differentiable all_gather), tries
 PyTorch's own context_parallel, measures ring attention in bfloat16
 with float32 and with bfloat16 accumulators, and measures, in one process, the
 error of the merged attention in bfloat16 as the number of key chunks grows.
+Last, a TinyGPT on the ranks (ring attention, zig-zag placement, global
+positions, the loss over the whole sequence, gradients summed over the ranks)
+against the same model on the whole sequence in one process, float64, with three
+pieces broken on purpose; and the bytes its attention saves for backward per
+rank, ring against all-gather, on groups of 1, 2, 4... ranks.
 Results go to --results (rank 0).
 """
 
@@ -29,9 +34,11 @@ import torch
 import torch.distributed as dist
 
 from ddp_course import context_parallel as cp
+from ddp_course.models import TinyGPT, lm_loss
 from ddp_course.runtime import distributed, get_logger, no_tf32
 from ddp_course.tools.collective_log import CollectiveLog
 from ddp_course.tools.records import write_results
+from ddp_course.tools.saved_tensors import SavedTensorCounter
 
 try:  # deprecated by torch; once removed, the notebook skips the all-gather trap
     from torch.distributed.nn.functional import all_gather as torch_all_gather
@@ -41,18 +48,23 @@ METHODS = {"ring": cp.ring_attention, "ulysses": cp.ulysses_attention,
            "all-gather": cp.allgather_attention}  # fmt: skip
 # bfloat16 keeps 8 significant bits: rounding x once moves it by at most 2^-8 |x|.
 BF16_ROUNDING = 2.0**-8
+# The TinyGPT of the last part: tiny, so that the whole check costs little.
+GPT = {"vocab_size": 64, "d_model": 16, "n_heads": 2, "n_layers": 2}
+GPT_MISTAKES = ("local positions", "no gradient reduction", "local mean loss")
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch-size", type=int, default=2, help="sequences per rank")
     p.add_argument(
-        "--heads", type=int, default=4, help="attention heads (Ulysses: divisible by ranks)"
+        "--n-heads", type=int, default=4, help="attention heads (Ulysses: divisible by ranks)"
     )
     p.add_argument("--t-local", type=int, default=16, help="tokens per rank (even, for zig-zag)")
     p.add_argument("--head-dim", type=int, default=8, help="features per head")
     p.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32],
                    help="key chunks of the one-process bfloat16 sweep")  # fmt: skip
+    p.add_argument("--gpt-tokens", type=int, default=32,
+                   help="tokens of the TinyGPT's sequence (a multiple of 2 x ranks)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--results", help="write the measurements here as JSON (rank 0)")
     return p.parse_args()
@@ -63,7 +75,7 @@ def whole(args, world_size, dtype, device, batch=None, heads=None):
     gen = torch.Generator().manual_seed(args.seed)
     shape = (
         batch or args.batch_size,
-        heads or args.heads,
+        heads or args.n_heads,
         world_size * args.t_local,
         args.head_dim,
     )
@@ -234,7 +246,7 @@ def bf16_sweep(args, device):
     """One process: merged attention over n key chunks in float32 and bfloat16, against float64."""
     gen = torch.Generator().manual_seed(args.seed)
     t = max(args.chunks) * 8
-    q, k, v = (torch.randn(1, args.heads, t, args.head_dim, generator=gen, dtype=torch.float64)
+    q, k, v = (torch.randn(1, args.n_heads, t, args.head_dim, generator=gen, dtype=torch.float64)
                .to(device) for _ in range(3))  # fmt: skip
     exact = cp.reference_attention(q, k, v, causal=True)
     rows = []
@@ -250,6 +262,89 @@ def bf16_sweep(args, device):
             row[name] = (got.double() - exact).abs().max().item()
         rows.append(row)
     return rows
+
+
+def gpt_and_tokens(ctx, args):
+    """The TinyGPT (float64) and a batch of token sequences: the same on every rank."""
+    torch.manual_seed(args.seed)
+    model = TinyGPT(**GPT, seq_len=args.gpt_tokens).double().to(ctx.device)
+    gen = torch.Generator().manual_seed(args.seed)
+    tokens = torch.randint(GPT["vocab_size"], (args.batch_size, args.gpt_tokens + 1), generator=gen)
+    return model, tokens.to(ctx.device)
+
+
+def gpt_reference(ctx, args):
+    """One process, the whole sequence: the loss and every parameter's gradient."""
+    model, tokens = gpt_and_tokens(ctx, args)
+    loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def gpt_run(ctx, args, group, attention=cp.ring_attention, mistake=None):
+    """The TinyGPT on this rank's tokens of ``group``: one forward and backward.
+
+    Returns the loss summed over the group, the parameters' gradients (summed over the
+    group unless ``mistake`` skips it) and the bytes the attention cores saved for
+    backward on this rank (``SavedTensorCounter`` around each core). ``mistake``: one
+    of ``GPT_MISTAKES``.
+    """
+    model, tokens = gpt_and_tokens(ctx, args)
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    inputs, targets = (cp.shard_sequence(x, rank, size, "zigzag", dim=1)
+                       for x in (tokens[:, :-1], tokens[:, 1:]))  # fmt: skip
+    saved = SavedTensorCounter()
+
+    def counted(q, k, v, **kw):
+        with saved:  # the innermost hooks count: only what the core saves
+            return attention(q, k, v, **kw)
+
+    gpt = cp.ContextParallelGPT(model, group, "zigzag", counted)
+    # NEW: global positions, the loss over all tokens, gradients summed over the ranks.
+    logits = model(inputs) if mistake == "local positions" else gpt(inputs)
+    if mistake == "local mean loss":
+        loss = lm_loss(logits, targets)
+    else:
+        loss = cp.context_parallel_loss(logits, targets, group)
+    loss.backward()
+    if mistake != "no gradient reduction":
+        cp.reduce_gradients(model, group)
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=group)
+    return total, {n: p.grad for n, p in model.named_parameters()}, saved.activation_bytes
+
+
+def gpt_check(ctx, args):
+    """TinyGPT over context-parallel groups of 1, 2, 4... ranks against one process.
+
+    For each group size p dividing the world (the world cut into groups of p
+    consecutive ranks): ring attention and all-gather, the largest |ours - one
+    process| of the loss and of any gradient (worst rank), and the bytes each
+    rank's attention saved; on the whole world, the three mistakes too.
+    """
+    ref_loss, ref_grads = gpt_reference(ctx, args)
+    n, rows, mistakes = ctx.world_size, [], {}
+
+    def worst(run):
+        loss, grads, saved = run
+        grad_diff = max((grads[k] - g).abs().max().item() for k, g in ref_grads.items())
+        diffs = torch.tensor([(loss - ref_loss).abs().item(), grad_diff], device=ctx.device)
+        dist.all_reduce(diffs, op=dist.ReduceOp.MAX)  # every rank's, the worst
+        return {"loss": diffs[0].item(), "gradients": diffs[1].item(), "saved_bytes": saved}
+
+    sizes = [p for p in (2**i for i in range(n.bit_length())) if n % p == 0]
+    for p in sizes:
+        groups = [dist.new_group(list(range(s, s + p))) for s in range(0, n, p)] if p < n else None
+        group = None if groups is None else groups[ctx.rank // p]  # every rank made every group
+        for name, fn in (("ring", cp.ring_attention), ("all-gather", cp.allgather_attention)):
+            rows.append({"ranks": p, "attention": name, **worst(gpt_run(ctx, args, group, fn))})
+    for mistake in GPT_MISTAKES:
+        mistakes[mistake] = worst(gpt_run(ctx, args, None, mistake=mistake))
+        del mistakes[mistake]["saved_bytes"]
+    heads = GPT["n_heads"]
+    shape = [args.batch_size, heads, args.gpt_tokens // n, GPT["d_model"] // heads]
+    config = {**GPT, "tokens": args.gpt_tokens, "batch_size": args.batch_size}
+    return {"config": config, "rows": rows, "mistakes": mistakes, "local_qkv_shape": shape}
 
 
 def main():
@@ -297,7 +392,7 @@ def main():
                 cp.ulysses_attention(q, q, q)
             except ValueError as e:
                 refused = str(e)
-        local_shape = [args.batch_size, args.heads, args.t_local, args.head_dim]
+        local_shape = [args.batch_size, args.n_heads, args.t_local, args.head_dim]
         result = {
             "world_size": n, "device": str(ctx.device), "local_shape": local_shape,
             "diffs": diffs, "mistakes": mistakes, "counts": everyone,
@@ -308,6 +403,7 @@ def main():
             "torch_context_parallel": theirs, "ulysses_refused": refused,
             "ring_bf16": ring_bf16(ctx, args),
             "bf16_sweep": bf16_sweep(args, ctx.device) if ctx.rank == 0 else None,
+            "gpt": gpt_check(ctx, args),
         }  # fmt: skip
         worst = max(max(d.values()) for k, d in diffs.items() if "float64" in k)
         verdict = ("skipped on this rank" if theirs is None else "ran" if theirs["ran"]

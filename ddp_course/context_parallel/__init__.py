@@ -43,9 +43,13 @@ One concern per module; everything public is importable from here:
   a mistake on purpose;
 - :mod:`.ulysses`: Ulysses and the all-gather version, with their bytes
   (:func:`ulysses_bytes`, :func:`ulysses_backward_bytes`);
-- :mod:`.cost`: the ring's work and bytes per rank (:func:`ring_work`,
-  :func:`ring_step_work`, :func:`load_balance`, :func:`ring_bytes`,
-  :func:`ring_backward_bytes`).
+- :mod:`.cost`: the ring's work, bytes sent and bytes saved per rank
+  (:func:`ring_work`, :func:`ring_step_work`, :func:`load_balance`,
+  :func:`ring_bytes`, :func:`ring_backward_bytes`, :func:`ring_saved_bytes`) and
+  the alpha-beta times of the ring and Ulysses (:func:`ring_comm_time`,
+  :func:`ulysses_comm_time`, :func:`ring_ulysses_crossover`);
+- :mod:`.gpt`: TinyGPT on a context-parallel group (:class:`ContextParallelGPT`,
+  global positions; :func:`context_parallel_loss`, :func:`reduce_gradients`).
 """
 
 from .blockwise import (
@@ -55,7 +59,18 @@ from .blockwise import (
     merge_partials,
     reference_attention,
 )
-from .cost import load_balance, ring_backward_bytes, ring_bytes, ring_step_work, ring_work
+from .cost import (
+    load_balance,
+    ring_backward_bytes,
+    ring_bytes,
+    ring_comm_time,
+    ring_saved_bytes,
+    ring_step_work,
+    ring_ulysses_crossover,
+    ring_work,
+    ulysses_comm_time,
+)
+from .gpt import ContextParallelCore, ContextParallelGPT, context_parallel_loss, reduce_gradients
 from .placement import (
     LAYOUTS,
     attention_mask,
@@ -80,6 +95,8 @@ from .ulysses import (
 __all__ = [
     "LAYOUTS",
     "Block",
+    "ContextParallelCore",
+    "ContextParallelGPT",
     "GatherSequence",
     "HeadsToSeq",
     "RingAttention",
@@ -93,15 +110,20 @@ __all__ = [
     "block_attention_backward",
     "blockwise_attention",
     "check_qkv",
+    "context_parallel_loss",
     "gather_sequence",
     "load_balance",
     "merge_partials",
+    "reduce_gradients",
     "reference_attention",
     "ring_attention",
     "ring_backward_bytes",
     "ring_bytes",
+    "ring_comm_time",
+    "ring_saved_bytes",
     "ring_schedule",
     "ring_step_work",
+    "ring_ulysses_crossover",
     "ring_work",
     "sequence_positions",
     "sequence_segments",
@@ -109,4 +131,5 @@ __all__ = [
     "ulysses_attention",
     "ulysses_backward_bytes",
     "ulysses_bytes",
+    "ulysses_comm_time",
 ]

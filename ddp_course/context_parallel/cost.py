@@ -3,8 +3,12 @@
 The accounting of ring attention (:mod:`.ring`): the work each rank
 computes, counted by walking :func:`~.schedule.ring_schedule`
 (the schedule the forward and backward run, so no formula), what an uneven
-split costs (:func:`load_balance`), and the bytes each rank sends
-(:func:`ring_bytes` forward, :func:`ring_backward_bytes` backward).
+split costs (:func:`load_balance`), the bytes each rank sends
+(:func:`ring_bytes` forward, :func:`ring_backward_bytes` backward) and saves
+for backward (:func:`ring_saved_bytes`), and, in the alpha-beta model, how long
+the ring and Ulysses communicate (:func:`ring_comm_time`,
+:func:`ulysses_comm_time`) and where one overtakes the other
+(:func:`ring_ulysses_crossover`).
 """
 
 from __future__ import annotations
@@ -15,7 +19,17 @@ import torch
 
 from .schedule import ring_schedule
 
-__all__ = ["load_balance", "ring_backward_bytes", "ring_bytes", "ring_step_work", "ring_work"]
+__all__ = [
+    "load_balance",
+    "ring_backward_bytes",
+    "ring_bytes",
+    "ring_comm_time",
+    "ring_saved_bytes",
+    "ring_step_work",
+    "ring_ulysses_crossover",
+    "ring_work",
+    "ulysses_comm_time",
+]
 
 
 def ring_work(
@@ -111,3 +125,71 @@ def ring_backward_bytes(
     acc = element_size if accumulator_size is None else accumulator_size
     n = math.prod(shape)
     return 2 * (world_size - 1) * n * element_size + 2 * world_size * n * acc
+
+
+def ring_saved_bytes(
+    shape: tuple[int, ...], element_size: int, accumulator_size: int | None = None
+) -> int:
+    """Bytes ring attention saves for its backward on one rank: q, k, v, output, log-sum-exp.
+
+    q, k and v of this rank's tokens in the inputs' dtype (``element_size``); the
+    output ``[B, H, T_local, D]`` and log-sum-exp ``[B, H, T_local]`` in the
+    accumulators' (``accumulator_size``, default ``element_size``; 4 for bfloat16):
+    ``3 N e + N a + (N / D) a`` for a local chunk of N elements. No key or value of
+    another rank stays: they pass through. So it falls as 1/P at a fixed sequence
+    length, where gathering K and V keeps all ``2 P N`` of them.
+    """
+    acc = element_size if accumulator_size is None else accumulator_size
+    n = math.prod(shape)
+    return 3 * n * element_size + n * acc + n // shape[-1] * acc
+
+
+def ring_comm_time(chunk_bytes: float, world_size: int, alpha: float, beta: float) -> float:
+    """Seconds ring attention communicates in one layer's forward and backward (alpha-beta).
+
+    3P-2 passes (P-1 of K and V forward, P-1 of K and V and P of their gradient
+    accumulators backward), each an exchange with the neighbours of two chunks of
+    ``chunk_bytes`` (S): ``(3P-2) (alpha + 2 S beta)``. Every pass is charged in
+    full, one after the other: what the ring hides behind its blocks is not taken
+    off (an upper bound where the blocks' compute is long). Accumulators are taken
+    as large as a chunk (float32 inputs).
+
+    Args:
+        chunk_bytes: one rank's K (or V) chunk, ``B H T_local D`` elements, in bytes.
+        world_size: P >= 1 (0 s on one rank).
+        alpha, beta: the link's latency (s) and seconds per byte, fitted to one ring
+            step (every rank sends to its right and receives from its left at once).
+    """
+    if world_size == 1:
+        return 0.0
+    return (3 * world_size - 2) * (alpha + 2 * chunk_bytes * beta)
+
+
+def ulysses_comm_time(chunk_bytes: float, world_size: int, alpha: float, beta: float) -> float:
+    """Seconds DeepSpeed-Ulysses communicates in one layer's forward and backward (alpha-beta).
+
+    Eight all-to-alls of one chunk each (q, k, v and the output forward, their
+    gradients backward), each by pairwise exchange, P-1 steps sending ``S/P`` to
+    one rank and receiving as much from another (Thakur, Rabenseifner and Gropp,
+    "Optimization of Collective Communication Operations in MPICH", 2005, section
+    4.5): ``8 (P-1) (alpha + S beta / P)``. Args as :func:`ring_comm_time`.
+    """
+    return 8 * (world_size - 1) * (alpha + chunk_bytes * beta / world_size)
+
+
+def ring_ulysses_crossover(world_size: int, alpha: float, beta: float) -> float:
+    """The chunk size (bytes) at which ring attention and Ulysses communicate equally long.
+
+    Equating :func:`ring_comm_time` and :func:`ulysses_comm_time`:
+    ``S* = (alpha / beta) P (5P - 6) / (6P^2 - 12P + 8)``. Below S* the ring's
+    fewer latencies (3P-2 exchanges against 8(P-1)) win; above, Ulysses' fewer
+    bytes (8(P-1)/P chunks against 6P-4). S* is ``alpha / beta`` at P = 2 and
+    P = 4, 27/26 of it at P = 3 (the most), and tends to 5/6 of it.
+
+    Raises:
+        ValueError: fewer than 2 ranks (nothing is sent).
+    """
+    if world_size < 2:
+        raise ValueError(f"a crossover needs 2 ranks or more, got {world_size}")
+    p = world_size
+    return alpha / beta * p * (5 * p - 6) / (6 * p * p - 12 * p + 8)

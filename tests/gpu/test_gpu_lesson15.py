@@ -23,10 +23,10 @@ from ddp_course.harness import launch
 pytestmark = pytest.mark.serial
 
 # Small settings; 12 heads divide any world size from 1 to 4 (Ulysses splits the heads).
-CP_ARGS = ["--batch-size", "2", "--heads", "12", "--t-local", "4", "--head-dim", "4",
+CP_ARGS = ["--batch-size", "2", "--n-heads", "12", "--t-local", "4", "--head-dim", "4",
            "--chunks", "1", "4"]  # fmt: skip
 # Notebook 15's jobs, with its parameters cell's settings.
-NOTEBOOK_CP_ARGS = ["--batch-size", "2", "--heads", "4", "--t-local", "16", "--head-dim", "8"]
+NOTEBOOK_CP_ARGS = ["--batch-size", "2", "--n-heads", "4", "--t-local", "16", "--head-dim", "8"]
 NOTEBOOK_MOE_ARGS = ["--d-model", "16", "--hidden", "32", "--experts", "4", "--k", "2",
                      "--tokens", "24", "--capacity-factor", "1.0"]  # fmt: skip
 BF16_ROUNDING = 2.0**-8  # bfloat16: rounding x once moves it by at most 2^-8 |x|
@@ -176,7 +176,7 @@ def test_context_parallel_notebook_job_on_four_gpus(root):
 def test_ring_attention_overlap_on_gpus(root):
     # Each pass posted before the step's blocks and waited for after them, against waited
     # for at once: the same results bit for bit; the time the overlap saves is recorded.
-    args = ["--t-local", "2048", "--heads", "16", "--head-dim", "64", "--dtype", "bfloat16",
+    args = ["--t-local", "2048", "--n-heads", "16", "--head-dim", "64", "--dtype", "bfloat16",
             "--repeats", "5"]  # fmt: skip
     r = launch.torchrun(root / "tests/workers/ring_overlap_check.py", args, nproc=RANKS,
                         results=True, echo=False, timeout_s=300).results  # fmt: skip

@@ -8,26 +8,21 @@ block product; four mistakes caught; bad sizes refused with a ValueError.
 """
 
 import math
-import pathlib
 
 import pytest
+import worker_jobs
 
 from ddp_course import context_parallel as cp
-from ddp_course.harness import launch
 
 BATCH, HEADS, T_LOCAL, HEAD_DIM = 2, 12, 6, 4
-ARGS = ["--batch-size", str(BATCH), "--heads", str(HEADS), "--t-local", str(T_LOCAL),
+ARGS = ["--batch-size", str(BATCH), "--n-heads", str(HEADS), "--t-local", str(T_LOCAL),
         "--head-dim", str(HEAD_DIM)]  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"{n}ranks")
 def job(request):
     """One launched job per world size; its results feed every test below."""
-    worker = pathlib.Path(__file__).resolve().parents[1] / "workers"
-    result = launch.torchrun(worker / "context_parallel_check.py", ARGS, nproc=request.param,
-                             results=True, echo=False, timeout_s=240)  # fmt: skip
-    assert result.results["world_size"] == request.param
-    return result.results
+    return worker_jobs.run_worker("context_parallel_check.py", ARGS, request.param)
 
 
 def differing(checks):

@@ -5,8 +5,10 @@ process (float64, float32), bytes sent forward and backward equal the formulas, 
 balances the causal work, the mistakes show (document masks; torch's all_gather: on the
 backend the job ran with), PyTorch's context_parallel is refused on CPU (its default
 passes K and V by all-gather), ring attention in bfloat16 within one rounding with float32
-accumulators, the bfloat16 sweep. 15_moe.py: the expert-parallel layer equals one process
-and PyTorch's all_to_all_single_autograd, bytes sent equal the routing's count (its
+accumulators, the bfloat16 sweep, and a TinyGPT on the ranks (ring attention and all-gather)
+equal to one process, loss and every gradient, with the bytes its attention saves per rank and
+three mistakes that only more than one rank shows. 15_moe.py: the expert-parallel layer equals
+one process and PyTorch's all_to_all_single_autograd, bytes sent equal the routing's count (its
 reduction on ctx.device: test_lesson15_moe_device.py), part 2 reports every step.
 
 Elsewhere: 2, 3 and 4 ranks with the mistakes broken on purpose in
@@ -20,9 +22,10 @@ import math
 import pytest
 import torch.distributed.nn.functional as dist_nn
 
+from ddp_course import context_parallel as cp
 from ddp_course.harness import launch
 
-ARGS = ["--batch-size", "2", "--heads", "2", "--t-local", "4", "--head-dim", "4",
+ARGS = ["--batch-size", "2", "--n-heads", "2", "--t-local", "4", "--head-dim", "4",
         "--chunks", "1", "4"]  # fmt: skip
 SHAPE = (2, 2, 4, 4)
 
@@ -58,6 +61,31 @@ def check(r, p):
     # float64 (measured: 2e-6 past it at most), bfloat16 ones do not (3e-3 and more).
     beyond = {acc: max(row["beyond_one_rounding"].values()) for acc, row in r["ring_bf16"].items()}
     assert beyond["float32"] <= 1e-5 and beyond["bfloat16"] > 1e-3, beyond
+    check_gpt(r["gpt"], p)
+
+
+def check_gpt(g, p):
+    """TinyGPT on groups of 1..p ranks equals one process; ring's saved bytes fall as 1/P."""
+    c = g["config"]
+    assert [(row["ranks"], row["attention"]) for row in g["rows"]] == [
+        (n, a) for n in (1, 2, 4) if n <= p for a in ("ring", "all-gather")
+    ]
+    for row in g["rows"]:
+        assert row["loss"] <= 1e-12 and row["gradients"] <= 1e-12, row
+        b, t, d = c["batch_size"], c["tokens"], c["d_model"]
+        shape = (b, c["n_heads"], t // row["ranks"], d // c["n_heads"])
+        if row["attention"] == "ring":
+            assert row["saved_bytes"] == c["n_layers"] * cp.ring_saved_bytes(shape, 8)
+        else:  # every rank keeps K and V of the whole sequence
+            assert row["saved_bytes"] >= c["n_layers"] * 2 * b * t * d * 8
+    wrong = g["mistakes"]
+    if p == 1:  # a group of one cannot tell: its positions, loss and gradients are global
+        assert all(max(m.values()) <= 1e-12 for m in wrong.values()), wrong
+    else:
+        assert wrong["local positions"]["gradients"] > 1e-3
+        assert wrong["no gradient reduction"]["gradients"] > 1e-3
+        assert wrong["no gradient reduction"]["loss"] <= 1e-12  # the loss alone cannot tell
+        assert wrong["local mean loss"]["loss"] > 1  # p times the mean: log(64) (p - 1) more
 
 
 def check_trap(r):

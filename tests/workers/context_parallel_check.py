@@ -26,6 +26,7 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
+import worker_checks  # tests/workers/, the script's folder
 
 from ddp_course import context_parallel as cp
 from ddp_course.runtime import distributed
@@ -34,7 +35,7 @@ from ddp_course.tools.records import write_results
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--batch-size", type=int, default=2)
-parser.add_argument("--heads", type=int, default=12)  # divisible by 2, 3 and 4
+parser.add_argument("--n-heads", type=int, default=12)  # divisible by 2, 3 and 4
 parser.add_argument("--t-local", type=int, default=6)
 parser.add_argument("--head-dim", type=int, default=4)
 parser.add_argument("--results")
@@ -44,19 +45,14 @@ TOL = {torch.float64: {"rtol": 1e-12, "atol": 1e-12}, torch.float32: {"rtol": 1e
 
 
 def mismatch(actual, expected, dtype):
-    """None when close, else assert_close's first line (never raises: collectives go on)."""
-    try:
-        torch.testing.assert_close(actual, expected, **TOL[dtype])
-    except AssertionError as e:
-        return str(e).splitlines()[0]
-    return None
+    return worker_checks.mismatch(actual, expected, **TOL[dtype])
 
 
 def whole(world_size, dtype, batch=None, heads=None):
     gen = torch.Generator().manual_seed(0)
     shape = (
         batch or args.batch_size,
-        heads or args.heads,
+        heads or args.n_heads,
         world_size * args.t_local,
         args.head_dim,
     )
