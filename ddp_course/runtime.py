@@ -373,11 +373,11 @@ def _let_gloo_workers_finish() -> None:
     and freeing tensors that Python created takes the GIL. ``ProcessGroupGloo``'s
     destructor joins those threads while holding the GIL (it runs when the last
     reference to the group goes, often DDP's reducer as ``main()`` returns), so a
-    worker still waiting for the GIL then deadlocks the rank: seen in about 1 of 11
+    worker still waiting for the GIL then deadlocks the rank: seen in 1 of 62
     runs of lesson 12's monitor job with ranks forked from torchrun's agent
     (py-spy: the main thread in ``~ProcessGroupGloo``/``thread::join``, a worker in
     ``~AsyncGatherWork`` waiting for the GIL). A sleep hands the GIL to the worker:
-    no hang in 60 runs (``benchmarks/gloo_teardown.py`` counts both ways).
+    no hang in 110 runs with it (``benchmarks/gloo_teardown.py`` counts both ways).
     """
     time.sleep(float(os.environ.get(GLOO_RELEASE_ENV, GLOO_QUIESCE_S)))
 

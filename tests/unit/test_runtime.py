@@ -2,7 +2,7 @@
 mechanism makes before its first collective, and how ``distributed`` takes a group down.
 
 The teardown deadlock ``distributed`` avoids (a gloo worker thread waiting for the GIL
-while the group's destructor joins it) shows about once in 12 runs of lesson 12's monitor
+while the group's destructor joins it) showed once in 62 runs of lesson 12's monitor
 job, too rarely for a test: ``python benchmarks/gloo_teardown.py`` repeats that job and
 counts. The tests below pin the order that avoids it."""
 
