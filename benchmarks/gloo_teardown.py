@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from ddp_course.harness import launch
 from ddp_course.harness.notebook import markdown_table
-from ddp_course.runtime import GLOO_QUIESCE_S, GLOO_RELEASE_ENV
+from ddp_course.runtime import GLOO_RELEASE_ENV, GLOO_RELEASE_S
 from ddp_course.tools.records import write_results
 
 MODES = {"GIL released before teardown": None, "no release": "0"}
@@ -57,7 +57,7 @@ def main() -> None:
     }
     print(markdown_table(["mode", "runs", "hangs"],
                          [[m, s["runs"], s["hangs"]] for m, s in summary.items()]))  # fmt: skip
-    write_results(None, args.results, {"release_s": GLOO_QUIESCE_S, "summary": summary},
+    write_results(None, args.results, {"release_s": GLOO_RELEASE_S, "summary": summary},
                   rows=rows, args=vars(args))  # fmt: skip
 
 

@@ -28,7 +28,6 @@ import torch.distributed as dist
 from .harness import loopback, restarts
 
 __all__ = [
-    "require_group",
     "DEVICE_ENV",
     "DevicePlan",
     "DistContext",
@@ -41,6 +40,7 @@ __all__ = [
     "no_tf32",
     "pick_backend",
     "pick_device",
+    "require_group",
     "rank0_first",
     "replica_devices",
     "seed_everything",
@@ -96,7 +96,7 @@ def _env_int(name: str, default: int) -> int:
 DEVICE_ENV = "DDP_COURSE_DEVICE"
 # Seconds a gloo rank releases the GIL before its group is destroyed (see
 # _let_gloo_workers_finish); short beside any job, long beside a thread switch.
-GLOO_QUIESCE_S = 0.05
+GLOO_RELEASE_S = 0.05
 GLOO_RELEASE_ENV = "DDP_COURSE_GLOO_RELEASE_S"
 
 
@@ -366,7 +366,7 @@ def distributed(
 
 
 def _let_gloo_workers_finish() -> None:
-    """Release the GIL for :data:`GLOO_QUIESCE_S` seconds (``DDP_COURSE_GLOO_RELEASE_S``
+    """Release the GIL for :data:`GLOO_RELEASE_S` seconds (``DDP_COURSE_GLOO_RELEASE_S``
     overrides it; ``0`` shows the deadlock) so gloo's worker threads finish their last work.
 
     A gloo work that finished may still be freed by the worker thread that ran it,
@@ -379,7 +379,7 @@ def _let_gloo_workers_finish() -> None:
     ``~AsyncGatherWork`` waiting for the GIL). A sleep hands the GIL to the worker:
     no hang in 110 runs with it (``benchmarks/gloo_teardown.py`` counts both ways).
     """
-    time.sleep(float(os.environ.get(GLOO_RELEASE_ENV, GLOO_QUIESCE_S)))
+    time.sleep(float(os.environ.get(GLOO_RELEASE_ENV, GLOO_RELEASE_S)))
 
 
 def require_group(
