@@ -19,8 +19,8 @@ import worker_jobs
 from ddp_course.mesh_predictions import saved_block_bytes_formula
 
 D, HEADS, LAYERS, SEQ, BATCH, STEPS = 16, 4, 2, 8, 2, 5
-ARGS = ["--d-model", str(D), "--heads", str(HEADS), "--layers", str(LAYERS), "--seq", str(SEQ),
-        "--batch-size", str(BATCH), "--steps", str(STEPS)]  # fmt: skip
+ARGS = ["--d-model", str(D), "--n-heads", str(HEADS), "--n-layers", str(LAYERS),
+        "--seq-len", str(SEQ), "--batch-size", str(BATCH), "--steps", str(STEPS)]  # fmt: skip
 K = BATCH * SEQ * D * 8  # one [B, T, d] float64 activation, bytes
 WIRE = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}  # x (N-1)/N K per rank, ring
 

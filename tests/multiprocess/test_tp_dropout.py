@@ -7,25 +7,18 @@ Megatron-LM keeps a second RNG state per tensor-parallel rank for the sharded re
 (model_parallel_cuda_manual_seed, get_cuda_rng_tracker().fork()); tp.ParallelRNG is it.
 """
 
-import pathlib
-
 import pytest
-
-from ddp_course.harness import launch
+import worker_jobs
 
 LAYERS = 2
-ARGS = ["--d-model", "16", "--heads", "4", "--layers", str(LAYERS), "--seq", "8",
+ARGS = ["--d-model", "16", "--n-heads", "4", "--n-layers", str(LAYERS), "--seq-len", "8",
         "--batch-size", "2"]  # fmt: skip
 SHARDED = ("heads", "sequence shard")
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}ranks")
 def job(request):
-    worker = pathlib.Path(__file__).resolve().parents[1] / "workers" / "tp_dropout_check.py"
-    result = launch.torchrun(worker, ARGS, nproc=request.param, results=True, echo=False,
-                             timeout_s=240)  # fmt: skip
-    assert result.results["world_size"] == request.param
-    return result.results
+    return worker_jobs.run_worker("tp_dropout_check.py", ARGS, request.param)
 
 
 def wrong(report):

@@ -24,7 +24,7 @@ from ddp_course.tools.records import write_results
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--batch-size", type=int, default=1)
-parser.add_argument("--heads", type=int, default=8)
+parser.add_argument("--n-heads", type=int, default=8)
 parser.add_argument("--t-local", type=int, default=64, help="tokens per rank")
 parser.add_argument("--head-dim", type=int, default=16)
 parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -62,7 +62,7 @@ def step(q, k, v, grad, ops):
 with distributed() as ctx:
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator().manual_seed(ctx.rank)
-    shape = (args.batch_size, args.heads, args.t_local, args.head_dim)
+    shape = (args.batch_size, args.n_heads, args.t_local, args.head_dim)
     q, k, v, grad = (torch.randn(shape, generator=gen).to(ctx.device, dtype) for _ in range(4))
     results, times = {}, {}
     for name, ops in VARIANTS.items():

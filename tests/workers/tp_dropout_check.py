@@ -27,9 +27,9 @@ from ddp_course.tools.records import write_results
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--d-model", type=int, default=16)
-parser.add_argument("--heads", type=int, default=4)
-parser.add_argument("--layers", type=int, default=2)
-parser.add_argument("--seq", type=int, default=8)
+parser.add_argument("--n-heads", type=int, default=4)
+parser.add_argument("--n-layers", type=int, default=2)
+parser.add_argument("--seq-len", type=int, default=8)
 parser.add_argument("--batch-size", type=int, default=2)
 parser.add_argument("--results")
 args = parser.parse_args()
@@ -54,13 +54,13 @@ def broken(variant):
 def regions(sequence_parallel):
     """The region of each dropout call of one forward, in call order."""
     residual = "sequence shard" if sequence_parallel else "replicated residual"
-    return ["replicated embeddings"] + ["heads", residual, residual] * args.layers
+    return ["replicated embeddings"] + ["heads", residual, residual] * args.n_layers
 
 
 def model(ctx, variant, sequence_parallel):
     torch.manual_seed(0)  # the same weights and default generator on every rank
-    whole = TinyGPT(d_model=args.d_model, n_heads=args.heads, n_layers=args.layers,
-                    seq_len=args.seq, dropout=0.5, flash=False).double()  # fmt: skip
+    whole = TinyGPT(d_model=args.d_model, n_heads=args.n_heads, n_layers=args.n_layers,
+                    seq_len=args.seq_len, dropout=0.5, flash=False).double()  # fmt: skip
     par = ParallelGPT(whole, ctx.rank, ctx.world_size, sequence_parallel=sequence_parallel)
     if variant == "default_generator_seed_plus_rank":
         torch.manual_seed(1 + ctx.rank)  # data parallelism's habit: the replicated masks differ
@@ -69,7 +69,7 @@ def model(ctx, variant, sequence_parallel):
 
 def batch():
     gen = torch.Generator().manual_seed(2)
-    tokens = torch.randint(0, 256, (args.batch_size, args.seq + 1), generator=gen)
+    tokens = torch.randint(0, 256, (args.batch_size, args.seq_len + 1), generator=gen)
     return tokens[:, :-1], tokens[:, 1:]
 
 

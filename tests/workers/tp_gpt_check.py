@@ -38,9 +38,9 @@ from ddp_course.tools.saved_tensors import saved_activation_bytes
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--d-model", type=int, default=16)
-parser.add_argument("--heads", type=int, default=4)
-parser.add_argument("--layers", type=int, default=2)
-parser.add_argument("--seq", type=int, default=8)
+parser.add_argument("--n-heads", type=int, default=4)
+parser.add_argument("--n-layers", type=int, default=2)
+parser.add_argument("--seq-len", type=int, default=8)
 parser.add_argument("--batch-size", type=int, default=2)
 parser.add_argument("--steps", type=int, default=5)
 parser.add_argument("--results")
@@ -96,10 +96,10 @@ def finish_grads(model, variant, ctx):
 
 def check_block(ctx, variant, sequence_parallel):
     torch.manual_seed(0)
-    ref = Block(args.d_model, args.heads, flash=False).double()
+    ref = Block(args.d_model, args.n_heads, flash=False).double()
     par = sp.ParallelBlock(ref, ctx.rank, ctx.world_size, sequence_parallel=sequence_parallel)
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(args.batch_size, args.seq, args.d_model, generator=gen, dtype=torch.float64)
+    x = torch.randn(args.batch_size, args.seq_len, args.d_model, generator=gen, dtype=torch.float64)
     target = torch.randn(x.shape, generator=gen, dtype=torch.float64)
     x_ref, x_full = x.clone().requires_grad_(), x.clone().requires_grad_()
     out_ref = ref(x_ref)
@@ -146,13 +146,13 @@ def replicas_disagree(model, ctx):
 
 def gpt(seed=0):
     torch.manual_seed(seed)
-    return TinyGPT(d_model=args.d_model, n_heads=args.heads, n_layers=args.layers,
-                   seq_len=args.seq, flash=False).double()  # fmt: skip
+    return TinyGPT(d_model=args.d_model, n_heads=args.n_heads, n_layers=args.n_layers,
+                   seq_len=args.seq_len, flash=False).double()  # fmt: skip
 
 
 def lm_batch():
     gen = torch.Generator().manual_seed(2)  # the same batch on every rank
-    tokens = torch.randint(0, 256, (args.batch_size, args.seq + 1), generator=gen)
+    tokens = torch.randint(0, 256, (args.batch_size, args.seq_len + 1), generator=gen)
     return tokens[:, :-1], tokens[:, 1:]
 
 
@@ -188,9 +188,9 @@ def check_gpt(ctx, variant, sequence_parallel):
 def layernorm_bytes(ctx, sequence_parallel):
     """Bytes the two LayerNorms of one block save for backward, on this rank."""
     torch.manual_seed(0)
-    par = sp.ParallelBlock(Block(args.d_model, args.heads, flash=False).double(), ctx.rank,
+    par = sp.ParallelBlock(Block(args.d_model, args.n_heads, flash=False).double(), ctx.rank,
                            ctx.world_size, sequence_parallel=sequence_parallel)  # fmt: skip
-    x = torch.randn(args.batch_size, args.seq, args.d_model, dtype=torch.float64)
+    x = torch.randn(args.batch_size, args.seq_len, args.d_model, dtype=torch.float64)
     x = (my_part(x, ctx) if sequence_parallel else x).requires_grad_()
     out = {}
     with saved_activation_bytes([par.ln1, par.ln2], out):
@@ -202,9 +202,9 @@ def block_bytes(ctx, sequence_parallel):
     """Bytes one whole block (dropout on, explicit attention) saves for backward, on this
     rank, each storage once; and the shapes of what it saves."""
     torch.manual_seed(0)
-    whole = Block(args.d_model, args.heads, dropout=0.1, flash=False).double()
+    whole = Block(args.d_model, args.n_heads, dropout=0.1, flash=False).double()
     par = sp.ParallelBlock(whole, ctx.rank, ctx.world_size, sequence_parallel=sequence_parallel)
-    x = torch.randn(args.batch_size, args.seq, args.d_model, dtype=torch.float64)
+    x = torch.randn(args.batch_size, args.seq_len, args.d_model, dtype=torch.float64)
     x = (my_part(x, ctx) if sequence_parallel else x).requires_grad_()
     out = {}
     with saved_activation_bytes([par], out):
@@ -242,7 +242,7 @@ with distributed(device="cpu") as ctx:
     # any collective (so no rank waits for the others).
     try:
         ParallelGPT(gpt(), ctx.rank, ctx.world_size, sequence_parallel=True)(
-            torch.zeros(1, args.seq - 1, dtype=torch.long)
+            torch.zeros(1, args.seq_len - 1, dtype=torch.long)
         )
         out["odd_sequence_error"] = None
     except ValueError as e:
