@@ -20,32 +20,16 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .collective_log import CollectiveLog
+from .zero_counts import storage_bytes
 
 __all__ = ["UnitOrder", "parameter_storage_bytes", "position", "unit_gather_bytes"]
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def parameter_storage_bytes(module: nn.Module) -> int:
-    """Bytes of memory ``module``'s parameters occupy on this rank, each storage once.
-
-    A DTensor (FSDP2) counts its local shard only; a tensor on the ``meta`` device
-    counts 0: it has a shape and a dtype but no data (its ``untyped_storage().nbytes()``
-    reports the size it would have, which is why this function exists).
-    """
-    seen: set[int] = set()
-    total = 0
-    for p in module.parameters():
-        t = _local(p)
-        if t.is_meta or t.numel() == 0:
-            continue
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-    return total
+    """Bytes of memory ``module``'s parameters occupy on this rank, each storage once
+    (:func:`~ddp_course.tools.zero_counts.storage_bytes`: a DTensor its local shard, a
+    tensor on the ``meta`` device nothing)."""
+    return storage_bytes(module.parameters())
 
 
 def unit_gather_bytes(unit: nn.Module) -> int:

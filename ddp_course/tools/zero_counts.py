@@ -19,7 +19,7 @@ from torch import nn
 from ..sharding import StateBytes, ZeRO
 from .collective_log import CollectiveLog
 
-__all__ = ["CollectiveBytes", "held_bytes"]
+__all__ = ["CollectiveBytes", "held_bytes", "storage_bytes"]
 
 
 class CollectiveBytes:
@@ -82,6 +82,34 @@ class CollectiveBytes:
         return sum(2 * b if op == "all_reduce" else b for op, b in self.calls)
 
 
+def storage_bytes(tensors: Any, seen: set[int] | None = None) -> int:
+    """Bytes of memory ``tensors`` occupy on this rank, each storage once.
+
+    A view (a shard of a full parameter, DDP's gradients in its buckets) costs
+    nothing more than the storage it views; a DTensor (FSDP2) counts its local shard
+    only; a tensor on the ``meta`` device counts 0: it has a shape and a dtype but no
+    data, though its ``untyped_storage().nbytes()`` reports the size it would have.
+    Anything that is not a tensor (``None`` gradients) is skipped.
+
+    Args:
+        tensors: an iterable of tensors.
+        seen: storages counted already (their ``data_ptr``), updated in place, so
+            that several calls count a storage shared between them once.
+    """
+    seen = set() if seen is None else seen
+    total = 0
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and hasattr(t, "to_local"):
+            t = t.to_local()  # a DTensor: this rank's shard
+        if not isinstance(t, torch.Tensor) or t.is_meta or t.numel() == 0:
+            continue
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
 def held_bytes(
     model: ZeRO | nn.Module, optimizer: torch.optim.Optimizer | None = None
 ) -> StateBytes:
@@ -109,18 +137,6 @@ def held_bytes(
     """
     seen: set[int] = set()
 
-    def nbytes(tensors: Any) -> int:
-        total = 0
-        for t in tensors:
-            if isinstance(t, torch.Tensor) and hasattr(t, "to_local"):
-                t = t.to_local()  # a DTensor: this rank's shard
-            if isinstance(t, torch.Tensor) and t.numel() > 0:
-                storage = t.untyped_storage()
-                if storage.data_ptr() not in seen:
-                    seen.add(storage.data_ptr())
-                    total += storage.nbytes()
-        return total
-
     if isinstance(model, ZeRO):
         # ZeRO builds its optimizer on this rank's shards only, so its parameters are the shards.
         optimizer = model.optimizer
@@ -132,4 +148,5 @@ def held_bytes(
         params = list(model.parameters())
     grads = [p.grad for p in params]
     state = [t for st in optimizer.state.values() for t in st.values()]
-    return StateBytes(float(nbytes(params)), float(nbytes(grads)), float(nbytes(state)))
+    held = (storage_bytes(tensors, seen) for tensors in (params, grads, state))
+    return StateBytes(*(float(b) for b in held))
