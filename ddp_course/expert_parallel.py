@@ -46,6 +46,12 @@ differentiable exchange as
 (a private module: its name may change) and the operation as
 ``torch.distributed.all_to_all_single``
 (https://pytorch.org/docs/stable/distributed.html#torch.distributed.all_to_all_single).
+
+:class:`SharedExpertMoE` adds an expert that every token goes through
+(DeepSeekMoE). GShard's capacity-padded exchange, against this one's
+dropless use (``capacity_factor=float("inf")``), is in
+``expert_parallel_dropless``; expert parallelism inside data parallelism
+(EP x DP groups) in ``expert_data_parallel``.
 """
 
 from __future__ import annotations
@@ -67,6 +73,7 @@ __all__ = [
     "ExpertParallelMoE",
     "MoE",
     "Routing",
+    "SharedExpertMoE",
     "all_to_all",
     "capacity",
     "experts_of_rank",
@@ -116,6 +123,8 @@ class Routing:
       (differentiable; renormalised when ``k > 1``).
     - ``experts``: int64 ``[n, k]``, the chosen experts, best first.
     - ``keep``: bool ``[n, k]``, False where the expert was full (dropped).
+    - ``slot``: int64 ``[n, k]``, the assignment's place among its expert's
+      assignments in GShard's order (``keep`` is ``slot < capacity``).
     - ``capacity``: slots per expert (int).
     - ``routed``: int64 ``[E]``, assignments the router made to each expert.
     - ``kept``: int64 ``[E]``, those within capacity (``<= capacity``).
@@ -126,6 +135,7 @@ class Routing:
     gates: torch.Tensor
     experts: torch.Tensor
     keep: torch.Tensor
+    slot: torch.Tensor
     capacity: int
     routed: torch.Tensor
     kept: torch.Tensor
@@ -171,12 +181,13 @@ def route(
     order = experts.t().reshape(-1)
     one_hot = nn.functional.one_hot(order, num_experts)
     slot = ((one_hot.cumsum(0) - 1) * one_hot).sum(-1)
-    keep = (slot < cap).reshape(k, n).t()
+    slot = slot.reshape(k, n).t()
+    keep = slot < cap
     routed = one_hot.sum(0)
     kept = nn.functional.one_hot(experts[keep], num_experts).sum(0)
     f = routed.to(probs.dtype) / max(n * k, 1)
     aux = num_experts * (f * probs.mean(0)).sum()
-    return Routing(probs, gates, experts, keep, cap, routed, kept, aux)
+    return Routing(probs, gates, experts, keep, slot, cap, routed, kept, aux)
 
 
 class MoE(nn.Module):
@@ -391,6 +402,19 @@ class ExpertParallelMoE(nn.Module):
         self.experts = nn.ModuleList(copy.deepcopy(moe.experts[e]) for e in self.local)
         self.exchange = all_to_all if exchange is None else exchange
 
+    def route_tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, Routing]:
+        """This rank's tokens as ``[n, d_model]``, and their :func:`route` (one group).
+
+        Raises:
+            ValueError: wrong last size. RuntimeError: no process group.
+        """
+        require_group(needed_for="expert parallelism")
+        if x.dim() < 2 or x.shape[-1] != self.d_model:
+            raise ValueError(f"expected [tokens, {self.d_model}] or [B, T, {self.d_model}], "
+                             f"got {list(x.shape)}")  # fmt: skip
+        tokens = x.reshape(-1, self.d_model)
+        return tokens, route(self.router(tokens), self.k, self.capacity_factor, self.normalize)
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Routing, dict]:
         """Route, exchange, run the local experts, exchange back, combine.
 
@@ -405,12 +429,7 @@ class ExpertParallelMoE(nn.Module):
         Raises:
             ValueError: wrong last size. RuntimeError: no process group.
         """
-        require_group(needed_for="expert parallelism")
-        if x.dim() < 2 or x.shape[-1] != self.d_model:
-            raise ValueError(f"expected [tokens, {self.d_model}] or [B, T, {self.d_model}], "
-                             f"got {list(x.shape)}")  # fmt: skip
-        tokens = x.reshape(-1, self.d_model)
-        routing = route(self.router(tokens), self.k, self.capacity_factor, self.normalize)
+        tokens, routing = self.route_tokens(x)
         t, j = torch.nonzero(routing.keep, as_tuple=True)
         expert = routing.experts[t, j]
         order = torch.argsort(expert, stable=True)  # rows grouped by expert, so by rank
@@ -434,3 +453,31 @@ class ExpertParallelMoE(nn.Module):
         back = self.exchange(results, send, recv, self.group)
         out = torch.zeros_like(tokens).index_add(0, t, routing.gates[t, j, None] * back)
         return out.reshape(x.shape), routing, {"send": send, "receive": recv}
+
+
+class SharedExpertMoE(nn.Module):
+    """A mixture of experts plus one *shared* expert that every token goes through.
+
+    ``y = shared(x) + moe(x)``: the routed experts learn what is particular to
+    their tokens, the shared one what all tokens need (DeepSeekMoE, Dai et al.
+    2024, "shared expert isolation"; DeepSeek-V3 and Qwen-MoE use it). With
+    expert parallelism the shared expert is dense: every rank holds it whole,
+    like the router, and its gradient is summed over the ranks. A token whose
+    every choice was dropped still gets ``shared(x)``.
+
+    Args:
+        moe: :class:`MoE` or :class:`ExpertParallelMoE`; its extra outputs
+            (routings, splits) pass through unchanged.
+        shared: the shared expert, float ``[*, d_model] -> [*, d_model]``
+            (e.g. a :class:`FeedForward`).
+
+    Returns (forward): ``moe``'s tuple with ``shared(x)`` added to its first item.
+    """
+
+    def __init__(self, moe: nn.Module, shared: nn.Module):
+        super().__init__()
+        self.moe, self.shared = moe, shared
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> tuple:
+        y, *rest = self.moe(x, *args, **kwargs)
+        return (y + self.shared(x), *rest)

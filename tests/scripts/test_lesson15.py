@@ -9,7 +9,10 @@ accumulators, the bfloat16 sweep, and a TinyGPT on the ranks (ring attention and
 equal to one process, loss and every gradient, with the bytes its attention saves per rank and
 three mistakes that only more than one rank shows. 15_moe.py: the expert-parallel layer equals
 one process and PyTorch's all_to_all_single_autograd, bytes sent equal the routing's count (its
-reduction on ctx.device: test_lesson15_moe_device.py), part 2 reports every step.
+reduction on ctx.device: test_lesson15_moe_device.py), part 2 reports every step; on 4 ranks:
+the dropless and capacity-padded exchanges equal one process and send what their formulas say,
+EP x DP (2 x 2) equals one process after 3 SGD steps and its two mistakes do not, and a shared
+expert equals one process.
 
 Elsewhere: 2, 3 and 4 ranks with the mistakes broken on purpose in
 tests/multiprocess/test_context_parallel.py and
@@ -138,11 +141,17 @@ def test_moe_script_equals_one_process_and_counts_bytes(root, run):
     if run == "python":
         job = launch.python(root / "scripts/15_moe.py", args, results=True, echo=False,
                             timeout_s=120)  # fmt: skip
-    else:
-        job = launch.torchrun(root / "scripts/15_moe.py", args, nproc=2, results=True,
-                              echo=False, timeout_s=240)  # fmt: skip
+    else:  # 4 ranks: expert parallel over all 4, then EP x DP as a 2 x 2 mesh
+        job = launch.torchrun(root / "scripts/15_moe.py", [*args, "--ep-ranks", "2"], nproc=4,
+                              results=True, echo=False, timeout_s=240)  # fmt: skip
     r = job.results
-    assert r["world_size"] == (1 if run == "python" else 2)
+    assert r["world_size"] == (1 if run == "python" else 4)
+    check_exchanges(r["exchanges"], r["world_size"], d_model=16)
+    check_ep_dp(r["ep_dp"], r["world_size"])
+    shared = r["shared_expert"]
+    assert max(shared["diffs"].values()) <= 1e-12, shared
+    # Each rank's own share of the shared expert's gradient is not the whole (one rank: it is).
+    assert (shared["shared_gradient_not_summed"] > 1e-3) == (r["world_size"] > 1)
     assert max(r["diffs"].values()) <= 1e-12
     assert max(r["torch_diffs"].values()) <= 1e-12
     assert len(r["per_rank"]) == r["world_size"]
@@ -153,6 +162,48 @@ def test_moe_script_equals_one_process_and_counts_bytes(root, run):
         assert len(t["routed_per_step"]) == len(t["mean_prob_per_step"]) == 3
         assert all(sum(c) == 8 * 32 * r["world_size"] for c in t["routed_per_step"])
         assert all(abs(sum(q) - 1) < 1e-5 for q in t["mean_prob_per_step"])
+
+
+def check_exchanges(e, n, d_model):
+    """Dropless and padded exchanges equal one process; each sends what its formula says."""
+    rows = e["rows"]
+    for name, row in rows.items():
+        assert max(row["diffs"].values()) <= 1e-12, name
+        assert len(row["per_rank"]) == n
+    assert rows["dropless"]["reference_dropped"] == rows["padded, no drops"]["reference_dropped"]
+    assert rows["dropless"]["reference_dropped"] == 0 < rows["padded"]["reference_dropped"]
+    for p in rows["dropless"]["per_rank"]:
+        assert p["routed"][0] == 8 and p["dropped"] == 0  # every token on expert 0, none lost
+        out, back, grad_out, grad_back = p["measured_bytes_to_others"]
+        assert out == grad_out == p["routed_bytes_to_others"]
+        assert p["all_to_alls"][0] == "torch.int64"  # the counts first: the split sizes
+    for name in ("padded, no drops", "padded"):
+        for p in rows[name]["per_rank"]:
+            assert p["measured_bytes_to_others"] == [p["padded_bytes_to_others"]] * 4
+            assert "torch.int64" not in p["all_to_alls"]  # sizes from shapes: no count exchange
+    sent = {name: sum(p["measured_bytes_to_others"][0] for p in row["per_rank"])
+            for name, row in rows.items()}  # fmt: skip
+    if n > 1:  # the padded buffers move more than the routed rows
+        assert sent["padded, no drops"] > sent["dropless"] > 0
+    no_drops = rows["padded, no drops"]["per_rank"][0]
+    assert no_drops["capacity"] == 8  # capacity_factor=inf: one slot per token
+    assert no_drops["padded_bytes_to_others"] == (n - 1) * (4 // n) * 8 * d_model * 8
+
+
+def check_ep_dp(g, n):
+    """EP x DP after 3 SGD steps equals one process; the two mistakes do not (with DP > 1)."""
+    ep_size = 2 if n == 4 else 1
+    assert g["mesh"] == [n // ep_size, ep_size] and g["steps"] == 3
+    right = g["diffs"]["over the DP group"]
+    assert right["router"] <= 1e-12 and right["experts"] <= 1e-12, right
+    if n == 4:
+        # Rows {0, 1} and {2, 3} hold experts 0-1 and 2-3; columns replicate them.
+        assert [(x["ep_rank"], x["dp_rank"], x["experts"]) for x in g["layout"]] == [
+            (0, 0, [0, 1]), (1, 0, [2, 3]), (0, 1, [0, 1]), (1, 1, [2, 3])
+        ]  # fmt: skip
+        assert right["all_reduces"] == {"dp": 8, "dp+ep": 1}  # 8 expert tensors, 1 router
+        for wrong in ("over the EP group", "not over the DP group"):
+            assert g["diffs"][wrong]["experts"] > 1e-3, wrong
 
 
 def test_the_script_survives_the_removal_of_torchs_differentiable_all_gather(root, monkeypatch):

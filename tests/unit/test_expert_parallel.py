@@ -1,14 +1,22 @@
 """The one-process MoE: capacity (Switch Transformer eq. 3), top-k routing with GShard's
 priority, the load-balancing loss (Switch eq. 4) and the layer, each against a loop written
-out token by token; bad input refused with a clear error.
+out token by token; bad input refused with a clear error. GShard's capacity-padded dispatch
+on a group of one against the layer, and the row counts of the padded and dropless exchanges.
+Several ranks: tests/scripts/test_lesson15.py (scripts/15_moe.py at 4 ranks, EP x DP).
 """
 
+import contextlib
+import gc
 import math
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from ddp_course import expert_data_parallel as epdp
 from ddp_course import expert_parallel as ep
+from ddp_course import expert_parallel_dropless as dropless
+from ddp_course.models import FeedForward
 
 D, HIDDEN = 6, 10
 
@@ -33,6 +41,7 @@ def test_route_drops_in_gshard_order_first_choices_before_second():
     # First choices: expert 0 gets tokens 0, 1 and 3 -> token 3 dropped; expert 1 gets
     # token 2. Second choices: expert 1 has one slot left (token 0), expert 0 none.
     assert r.keep.tolist() == [[True, True], [True, False], [True, False], [False, False]]
+    assert r.slot.tolist() == [[0, 1], [1, 2], [0, 3], [2, 3]]  # places in GShard's order
     assert r.routed.tolist() == [4, 4]
     assert r.kept.tolist() == [2, 2]
     assert r.dropped == 4
@@ -169,3 +178,100 @@ def test_bad_input_gets_a_clear_error():
         ep.ExpertParallelMoE(moe(), 0, 2)(torch.randn(4, D, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="torchrun"):
         ep.all_to_all(torch.randn(3, D), [3], [3])
+
+
+@contextlib.contextmanager
+def group_of_one():
+    """A gloo group of one rank for the length of one test (other tests here need none)."""
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("factor", [1.0, float("inf")])
+def test_padded_dispatch_equals_the_layer_and_sends_every_slot(factor):
+    layer = moe(2, factor)
+    x = torch.randn(12, D, dtype=torch.float64, generator=torch.Generator().manual_seed(2)) + 1
+    with torch.no_grad():  # every token's first choice: expert 0
+        layer.router.weight[0] += 2.0
+    x_ref = x.clone().requires_grad_()
+    y_ref, (r,) = layer(x_ref)
+    y_ref.square().sum().backward()
+    with group_of_one():
+        padded = dropless.PaddedExpertParallelMoE(layer, 0, 1)
+        x_pad = x.clone().requires_grad_()
+        y, routing, splits = padded(x_pad)
+        y.square().sum().backward()
+    torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(x_pad.grad, x_ref.grad, rtol=1e-12, atol=1e-12)
+    for a, b in zip(padded.parameters(), layer.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12)
+    assert splits["send"] == [4 * routing.capacity]  # every expert's slots, full or not
+    assert routing.capacity == (6 if factor == 1.0 else 12)
+    assert (routing.dropped > 0) == (factor == 1.0)
+
+
+def test_rows_each_exchange_sends_to_other_ranks():
+    # 4 experts on 2 ranks (0, 1 on rank 0; 2, 3 on rank 1), top-2, no capacity.
+    logits = torch.tensor([[3.0, 2, 0, 0], [0, 3, 2, 0], [0, 0, 3, 2], [2, 0, 0, 3]])
+    r = ep.route(logits, k=2, capacity_factor=float("inf"))
+    assert r.experts.tolist() == [[0, 1], [1, 2], [2, 3], [3, 0]]
+    assert dropless.routed_rows_to_others(r, rank=0, world_size=2) == 4  # 2, 2, 3, 3
+    assert dropless.routed_rows_to_others(r, rank=1, world_size=2) == 4  # 0, 1, 1, 0
+    assert dropless.routed_rows_to_others(r, rank=0, world_size=1) == 0
+    # Padded: the other rank's 2 experts x capacity rows, whatever the routing.
+    assert dropless.padded_rows_to_others(r.capacity, 4, 2) == 2 * 4
+    assert dropless.padded_rows_to_others(3, 8, 4) == 3 * 2 * 3
+
+
+def test_expert_data_parallel_mesh_needs_ep_to_divide_the_world():
+    with pytest.raises(ValueError, match="ep_size=3 must divide world_size=4"):
+        epdp.expert_data_parallel_mesh("cpu", 4, 3)
+
+
+def test_the_dropless_split_sizes_reach_the_host_before_the_rows_travel(monkeypatch):
+    """The uneven exchange copies its split sizes to Python ints (on a GPU: a host sync)
+    between the all-to-all of counts and the one of rows; the padded exchange never does."""
+    events = []
+    tolist, all_to_all_single = torch.Tensor.tolist, dist.all_to_all_single
+
+    def logged_tolist(t):
+        events.append("tolist")
+        return tolist(t)
+
+    def logged_all_to_all(out, inp, *args, **kwargs):
+        events.append(f"all_to_all {inp.dtype}")
+        return all_to_all_single(out, inp, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", logged_tolist)
+    monkeypatch.setattr(dist, "all_to_all_single", logged_all_to_all)
+    x = torch.randn(12, D, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    seen = {}
+    with group_of_one():
+        for layer in (ep.ExpertParallelMoE, dropless.PaddedExpertParallelMoE):
+            events.clear()
+            layer(moe(2, float("inf")), 0, 1)(x)
+            seen[layer] = list(events)
+    assert seen[ep.ExpertParallelMoE] == [
+        "all_to_all torch.int64", "tolist", "tolist",
+        "all_to_all torch.float64", "all_to_all torch.float64",
+    ]  # fmt: skip
+    assert seen[dropless.PaddedExpertParallelMoE] == ["all_to_all torch.float64"] * 2
+
+
+def test_a_shared_expert_adds_its_output_to_every_token_dropped_or_not():
+    layer = moe(k=1, capacity_factor=0.25)  # capacity 1 of 4 tokens: three dropped
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        layer.router.weight[0, 0] = 1.0
+    shared = FeedForward(D, HIDDEN).double()
+    x = torch.ones(4, D, dtype=torch.float64)
+    y, (r,) = ep.SharedExpertMoE(layer, shared)(x)
+    assert r.dropped == 3
+    torch.testing.assert_close(y, layer(x)[0] + shared(x), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(y[1:], shared(x[1:]), rtol=1e-12, atol=1e-12)  # dropped tokens
