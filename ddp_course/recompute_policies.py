@@ -17,7 +17,8 @@ element-wise operations). Korthikanti's selective recomputation and op-level
 SAC are opposite choices: the first recomputes the attention matmuls to drop
 the quadratic tensors, the second keeps every matmul output and recomputes the
 cheap rest. ``ddp_course.tools.op_counts.OpCounter`` counts what runs again in
-backward.
+backward. :func:`shard_with_checkpointing` composes the checkpoints with FSDP2's
+``fully_shard`` in either order, or around the whole sharded model.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from ddp_course.activation_checkpoint import checkpoint, checkpoint_with_hooks
@@ -37,11 +39,13 @@ __all__ = [
     "CheckpointedCore",
     "IMPLS",
     "MATMULS",
+    "ORDERS",
     "POLICIES",
     "SelectiveRecord",
     "apply_policy",
     "matmul_policy",
     "selective_checkpoint",
+    "shard_with_checkpointing",
 ]
 
 #: The operations selective checkpointing saves: their outputs cost FLOPs to rebuild.
@@ -261,3 +265,58 @@ def apply_policy(model: nn.Module, policy: str, impl: str = "ours") -> Selective
                     if isinstance(child, nn.Linear):
                         setattr(parent, name, CheckpointWrapper(child, impl))
     return record
+
+
+#: Where :func:`shard_with_checkpointing` puts the checkpoints relative to FSDP2's units.
+ORDERS = ("no_ac", "ac_then_fsdp", "fsdp_then_ac", "ac_around_root")
+
+
+def shard_with_checkpointing(model: nn.Module, order: str, impl: str = "torch",
+                             **fsdp_kwargs) -> nn.Module:  # fmt: skip
+    """FSDP2 over every block and the root of a TinyGPT, with checkpoints placed as
+    ``order`` says; returns the module to call (the sharded model, or a wrapper).
+
+    Orders (:data:`ORDERS`):
+
+    - ``"no_ac"``: ``fully_shard`` each block, then the root;
+    - ``"ac_then_fsdp"``: each block in a :class:`CheckpointWrapper`, then
+      ``fully_shard`` of each wrapper and of the root: torchtitan's order
+      (``torchtitan/models/llama3/infra/parallelize.py``: ``apply_ac``, then
+      ``apply_fsdp``). The unit's hooks sit outside the checkpoint, so the
+      recomputation runs the block alone, after the unit's pre-backward all-gather;
+    - ``"fsdp_then_ac"``: ``fully_shard`` each block, then each sharded block in a
+      :class:`CheckpointWrapper`: the recomputation runs the unit's forward hooks
+      again, in backward;
+    - ``"ac_around_root"``: ``"no_ac"``'s sharding, the whole root in one
+      :class:`CheckpointWrapper`: backward's first use of a saved tensor reruns
+      the whole forward, every block's all-gather included.
+
+    Args:
+        model: a :class:`~ddp_course.models.TinyGPT` (anything with ``.blocks``),
+            sharded in place.
+        order: one of the above.
+        impl: the checkpoint's implementation, one of :data:`IMPLS`.
+        fsdp_kwargs: passed to every ``fully_shard`` (``mesh``, ``mp_policy``,
+            ``reshard_after_forward``...).
+
+    Returns:
+        ``model``, or for ``"ac_around_root"`` a :class:`CheckpointWrapper` around it;
+        the parameters (and the optimizer's) are ``model.parameters()`` either way.
+
+    Raises:
+        ValueError: an unknown ``order`` or ``impl``.
+    """
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, not {order!r}")
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, not {impl!r}")
+    blocks = model.blocks
+    for i, block in enumerate(blocks):
+        if order == "ac_then_fsdp":
+            blocks[i] = fully_shard(CheckpointWrapper(block, impl), **fsdp_kwargs)
+        else:
+            fully_shard(block, **fsdp_kwargs)
+            if order == "fsdp_then_ac":
+                blocks[i] = CheckpointWrapper(block, impl)
+    fully_shard(model, **fsdp_kwargs)
+    return CheckpointWrapper(model, impl) if order == "ac_around_root" else model

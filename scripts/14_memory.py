@@ -17,8 +17,9 @@ policies are those of ddp_course.recompute_policies.apply_policy: whole
 regions, op-level SAC (torchtitan's "op" mode), Korthikanti et al.'s selective
 recomputation of the attention core, and every Linear on its own (the
 anti-pattern: no byte saved).
-On a GPU it also reads the CUDA allocator's peak for each policy and checks it
-lies within the bound that
+On a GPU it also reads the bytes the CUDA allocator holds when forward returns
+(the saved storages and the loss, each rounded up to 512 bytes) and its peak
+for each policy, and checks the peak lies within the bound that
 ddp_course.step_budget.peak_bound predicts (at least the activations and
 the logits; at most everything the step may hold at once, with the allocator's
 512-byte rounding); on a CPU that part is skipped and says so. With 2 or more
@@ -26,11 +27,20 @@ ranks it shards the model with FSDP2 under MixedPrecisionPolicy(
 param_dtype=bfloat16, reduce_dtype=float32) and measures each state's bytes on
 every rank against the formula: shards per parameter as torch.chunk splits its
 first dimension (uneven when N does not divide it), the bf16 all-gather of a
-block counted from the collective itself (padding included). Rank 0 writes
+block counted from the collective itself (padding included). It then trains
+the model in float32 for 2 SGD steps under FSDP2 with activation checkpointing
+placed each way recompute_policies.shard_with_checkpointing knows (none, per
+block before or after sharding, around the whole model), counts the second
+step's all-gathers and reduce-scatters (ddp_course.tools.collective_log) and
+backward's FLOPs (a recomputation adds a forward), reads the full weights in
+use at once in backward (tools.peak_memory.UnshardedPeak), and checks every
+run's parameters against the run without checkpointing, and that one against
+one process trained on every rank's batch. Rank 0 writes
 --results.
 """
 
 import argparse
+import contextlib
 import math
 import statistics
 import time
@@ -47,6 +57,7 @@ from ddp_course.data import lm_batch, shakespeare_bytes
 from ddp_course.models import TinyGPT, lm_loss
 from ddp_course.runtime import distributed, get_logger
 from ddp_course.tools.collective_log import CollectiveLog
+from ddp_course.tools.peak_memory import UnshardedPeak
 from ddp_course.tools.records import write_results
 from ddp_course.tools.saved_tensors import SavedTensorCounter
 
@@ -95,6 +106,7 @@ def measure_policy(args, policy, dev, x, y, reference):
         saved, _ = step(model, x, y, args.seed)
     storages = sum(1 for *_, kind in saved.saved if kind == "activation")
     held = saved.activation_bytes + record.saved_bytes  # before the timed steps add theirs
+    cached = len(record.saved_ops)  # outputs op-level SAC keeps, one step's
     grads = [p.grad for p in model.parameters()]
     equal = reference is None or all(torch.equal(a, b) for a, b in zip(grads, reference))
     # CUDA's fused dropout keeps a 1-byte mask; a CPU's keeps one in the input's dtype.
@@ -120,7 +132,14 @@ def measure_policy(args, policy, dev, x, y, reference):
         model.zero_grad(set_to_none=True)
         torch.cuda.reset_peak_memory_stats(dev)
         base = torch.cuda.memory_allocated(dev)
-        step(model, x, y, args.seed)
+        torch.manual_seed(args.seed)
+        loss = lm_loss(model(x), y)
+        # When forward returns the allocator holds the saved storages (what the hooks
+        # counted, SAC's cached outputs included) and the loss, each rounded up to 512 bytes.
+        row["cuda_forward_bytes"] = torch.cuda.memory_allocated(dev) - base
+        row["cuda_forward_tensors"] = storages + cached + 1
+        loss.backward()
+        del loss
         peak = torch.cuda.max_memory_allocated(dev) - base
         b, s, h, a = args.batch_size, args.seq_len, args.d_model, args.n_heads
         logits = 4 * b * s * model.head.out_features
@@ -133,6 +152,8 @@ def measure_policy(args, policy, dev, x, y, reference):
             largest=4 * max(4 * s * b * h, a * s * s * b), tensors=tensors,
         )  # fmt: skip
         row["cuda_peak_bytes"] = peak
+        # Not a point prediction of the peak: every gradient and the recomputed region on
+        # top of every activation, which never coexist (the bound below is the check).
         row["cuda_predicted_bytes"] = (
             predicted["held"] + predicted["recompute"] + logits + gradients
         )
@@ -202,6 +223,84 @@ def fsdp_mixed_precision(args, ctx):
     return {"rank": ctx.rank, "parameters": n_params, "measured": measured, "formula": formula}
 
 
+# (order, reshard_after_forward): None is FSDP2's default, the blocks reshard after
+# forward and the root keeps its weights for backward, which starts with them.
+AC_RUNS = [("no_ac", None), ("ac_then_fsdp", None), ("fsdp_then_ac", None),
+           ("ac_around_root", None), ("no_ac", False)]  # fmt: skip
+
+
+def train_two_steps(model, run, x, y, comms=None):
+    """Two SGD steps; with ``comms``, the second's collectives go to it under "forward"
+    and "backward", and it returns the most bytes of full weights in use at once in that
+    backward and its matmul FLOPs (a recomputed forward adds its own)."""
+    # SGD: AdamW divides by the root of tiny second moments, which turns a rounding
+    # difference of the sharded sums into a step of lr.
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i in range(2):
+        measure = comms is not None and i == 1
+        with comms.recording("forward") if measure else contextlib.nullcontext():
+            out = run(x)
+        if measure:
+            with comms.recording("backward"), UnshardedPeak(model) as full:
+                with FlopCounterMode(display=False) as flops:
+                    lm_loss(out, y).backward()
+        else:
+            lm_loss(out, y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return (full.peak_bytes, flops.get_total_flops()) if comms is not None else None
+
+
+def fsdp_checkpointing(args, ctx):
+    """Collectives per step and full weights in backward, for each place of the checkpoints."""
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    cfg = config(args) | {"dropout": 0.0}
+    batches = [lm_batch(shakespeare_bytes("train"), args.batch_size, args.seq_len,
+                        torch.Generator().manual_seed(args.seed + 1 + k))
+               for k in range(ctx.world_size)]  # fmt: skip
+    # One process on every rank's batch: the mean loss equals the mean of the ranks' means.
+    torch.manual_seed(args.seed)
+    one = TinyGPT(**cfg).to(ctx.device)
+    xs, ys = (torch.cat(t).to(ctx.device) for t in zip(*batches))
+    train_two_steps(one, one, xs, ys)
+    x, y = (t.to(ctx.device) for t in batches[ctx.rank])
+    rows, no_ac = [], None
+    for order, reshard in AC_RUNS:
+        torch.manual_seed(args.seed)
+        model = TinyGPT(**cfg).to(ctx.device)
+        run = recompute_policies.shard_with_checkpointing(
+            model, order, mesh=mesh, reshard_after_forward=reshard
+        )  # NEW: AC and FSDP2
+        comms = CollectiveLog()
+        full, flops = train_two_steps(model, run, x, y, comms)
+        params = [p.full_tensor() for p in model.parameters()]
+        reference = no_ac or [p.detach() for p in one.parameters()]
+        for a, b in zip(params, reference):
+            torch.testing.assert_close(a, b)  # raises: checkpointing changed the training
+
+        def count(phase, op, comms=comms):
+            return sum(1 for c in comms.calls if c["phase"] == phase and c["op"] == op)
+
+        backward = [c["op"] for c in comms.calls if c["phase"] == "backward"]
+        rows.append({"order": order, "reshard_after_forward": reshard,
+                     "forward_all_gathers": count("forward", "all_gather"),
+                     "backward_all_gathers": count("backward", "all_gather"),
+                     "reduce_scatters": count("backward", "reduce_scatter"),
+                     "backward_order": " ".join({"all_gather": "AG", "reduce_scatter": "RS"}
+                                                .get(op, op) for op in backward),
+                     "full_weights_in_backward": full, "backward_flops": flops,
+                     "max_gap": max((a - b).abs().max().item()
+                                    for a, b in zip(params, reference)),
+                     "compared_with": "one process" if no_ac is None else "no_ac"})  # fmt: skip
+        no_ac = no_ac or params
+
+    def nbytes(module):
+        return sum(p.numel() * p.element_size() for p in module.parameters())
+
+    return {"rows": rows, "model_bytes": nbytes(one), "block_bytes": nbytes(one.blocks[0]),
+            "root_bytes": nbytes(one) - sum(nbytes(b) for b in one.blocks)}  # fmt: skip
+
+
 def main():
     args = parse_args()
     with distributed(group_of_one=True) as ctx:
@@ -236,8 +335,20 @@ def main():
             m, f = mine["measured"], mine["formula"]
             log.info(f"FSDP2 bf16/fp32 on {ctx.world_size} ranks, rank 0 bytes: measured {m}, "
                      f"formula {f}")  # fmt: skip
+            result["fsdp_ac"] = fsdp_checkpointing(args, ctx)
+            for row in result["fsdp_ac"]["rows"]:
+                log.info(f"FSDP2 {row['order']:>14} (reshard_after_forward="
+                         f"{row['reshard_after_forward']}): all-gathers "
+                         f"{row['forward_all_gathers']} in forward, "
+                         f"{row['backward_all_gathers']} in backward, reduce-scatters "
+                         f"{row['reduce_scatters']}; backward {row['backward_flops']:,} "
+                         f"FLOPs, full weights in it at most "
+                         f"{row['full_weights_in_backward']:,} B; parameters within "
+                         f"{row['max_gap']:.1e} of {row['compared_with']}")  # fmt: skip
         else:
-            log.info("skipped: FSDP2 mixed precision needs 2 or more ranks (torchrun)")
+            log.info(
+                "skipped: FSDP2 (mixed precision, checkpointing) needs 2 or more ranks (torchrun)"
+            )
         write_results(ctx, args.results, result, rows=rows, args=vars(args))
 
 

@@ -1,13 +1,15 @@
 """Lessons 13 and 14 on a GPU: the plain-python runs (a group of one on nccl, so CUDA even
 with one GPU) of ``13_gpt.py`` (float32 against DDP with --check; bfloat16 mixed precision
-with tokens/s and the MFU, or the reason it is skipped) and of ``14_memory.py`` (the CUDA
-allocator's peak of every checkpointing policy within the bound the lesson predicts); with
+with tokens/s and the MFU, or the reason it is skipped) and of ``14_memory.py`` (for every
+checkpointing policy, the bytes the CUDA allocator holds when forward returns within 5% of the
+predicted activations, and its peak within the bound the lesson predicts); with
 4 GPUs, lesson 13's 4-rank suite on nccl. A few seconds each, the suite longer.
 """
 
 import pytest
 from gpu_support import keep, needs_4_gpus, needs_gpu, run
 
+from ddp_course import step_budget
 from ddp_course.harness import launch
 from ddp_course.tools import flops
 
@@ -53,6 +55,13 @@ def test_gpt_bfloat16_records_tokens_per_s_and_mfu(root):
 
 @needs_gpu
 def test_memory_cuda_peak_within_the_predicted_bound(root):
+    # The 5% comparison is made when forward returns: the allocator then holds the saved
+    # storages (the hooks count each whole storage: equal on a CPU for every policy), SAC's
+    # cached outputs and the loss, each rounded up to 512 B, so it exceeds the prediction by
+    # at most 512 B per tensor (under 3.1% at the default shapes). The peak is not compared
+    # at 5% with cuda_predicted_bytes: that sums every gradient and the recomputed region on
+    # top of every activation, which never coexist (23% to 78% above the peak's lower end
+    # here); the peak is checked against the bound [low, high] instead.
     r = _python(root, "14_memory.py", ["--steps", "1"])  # the script raises outside the bound
     rows = {row["policy"]: row for row in r["rows"]}
     keep("14_memory_cuda_peak", {"meta": r["meta"], "rows": r["rows"]})
@@ -60,6 +69,9 @@ def test_memory_cuda_peak_within_the_predicted_bound(root):
     for policy, row in rows.items():
         assert row["measured_bytes"] == row["predicted_bytes"], policy
         assert row["grads_equal_none"], policy
+        extra = row["cuda_forward_bytes"] - row["predicted_bytes"]
+        assert 0 <= extra <= step_budget.ALLOCATOR_BLOCK * row["cuda_forward_tensors"], row
+        assert extra <= 0.05 * row["predicted_bytes"], row
         assert row["cuda_low_bytes"] <= row["cuda_peak_bytes"] <= row["cuda_high_bytes"], row
     assert rows["every_block"]["cuda_peak_bytes"] < rows["none"]["cuda_peak_bytes"]
 

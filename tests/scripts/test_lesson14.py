@@ -4,7 +4,10 @@ checkpointing, recomputation shows as extra FLOPs (none for op-level SAC, whose 
 time), the attention core's recomputation keeps less than op-level SAC and every Linear
 saves nothing, and FSDP2's mixed-precision states on each rank equal the per-parameter
 formula at 3 ranks (where torch.chunk splits the rows unevenly and the all-gather pads
-them). The notebook runs the script under torchrun;
+them), and FSDP2 with activation checkpointing in every place takes one all-gather per unit
+in forward and per block in backward (none added by the recomputation), while a checkpoint
+around the whole model holds every block's full weights at once in backward. The notebook
+runs the script under torchrun;
 tests/unit/test_activation_*.py check the pieces."""
 
 from ddp_course import recompute_policies
@@ -39,3 +42,19 @@ def test_memory_script_on_three_ranks(root):
         assert measured == rank["formula"], rank
         assert rank["measured"]["gathered_dtypes"] == ["torch.bfloat16"]
         assert rank["measured"]["gradient_dtypes"] == ["torch.float32"]
+    ac = r["fsdp_ac"]
+    run = {(row["order"], row["reshard_after_forward"]): row for row in ac["rows"]}
+    assert list(run) == [("no_ac", None), ("ac_then_fsdp", None), ("fsdp_then_ac", None),
+                         ("ac_around_root", None), ("no_ac", False)]  # fmt: skip
+    for row in ac["rows"]:  # 3 blocks and the root
+        assert row["forward_all_gathers"] == row["reduce_scatters"] == 4, row
+        assert row["backward_all_gathers"] == (3 if row["reshard_after_forward"] is None else 0)
+        assert row["compared_with"] == "one process" or row["max_gap"] == 0.0, row
+    held = {k: row["full_weights_in_backward"] for k, row in run.items()}
+    per_block = ac["root_bytes"] + ac["block_bytes"]
+    assert held[("no_ac", None)] == held[("ac_then_fsdp", None)] == per_block
+    assert held[("fsdp_then_ac", None)] == per_block
+    assert held[("ac_around_root", None)] == held[("no_ac", False)] == ac["model_bytes"]
+    assert run[("ac_around_root", None)]["backward_order"] == "AG AG AG RS RS RS RS"
+    flops = {k: row["backward_flops"] for k, row in run.items()}
+    assert flops[("no_ac", None)] < flops[("ac_then_fsdp", None)] == flops[("fsdp_then_ac", None)]
