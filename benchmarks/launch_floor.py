@@ -1,13 +1,16 @@
-"""What a short torchrun job costs before its work, with ranks forked from the agent
-(the launcher's default on the CPU) and with each rank started as a new interpreter.
+"""What a short torchrun job costs before its work, started three ways: every process a
+new interpreter (plain torchrun), ranks forked from the agent, and the agent forked from
+the launcher's agent server too (the launcher's default on the CPU).
 
     python benchmarks/launch_floor.py --results benchmarks/cpu-2core/launch_floor.json
 
-Each job runs ``--repeats`` times in each mode, the two modes alternating so that a
-change of load hits both. CPU seconds are those of every process of the job (agent and
-ranks, from ``getrusage(RUSAGE_CHILDREN)``), the measure that decides how long a test
-suite takes on a machine whose cores are all busy; wall seconds are what one job waits.
-Prints the medians and their ratios, and writes every run as JSON rows.
+Each job runs ``--repeats`` times in each mode, the modes alternating so that a change
+of load hits all three. CPU seconds are those of every process of the job (agent and
+ranks: ``getrusage(RUSAGE_CHILDREN)``, or what the server's waiter reports for a served
+agent), the measure that decides how long a test suite takes on a machine whose cores
+are all busy; wall seconds are what one job waits. The server starts once, before the
+first measured job. Prints the medians and their ratios to the first mode, and writes
+every run as JSON rows.
 """
 
 import argparse
@@ -18,7 +21,7 @@ import time
 
 from tqdm import tqdm
 
-from ddp_course.harness import launch
+from ddp_course.harness import agent_server, launch
 from ddp_course.harness.notebook import markdown_table
 from ddp_course.tools.records import write_results
 
@@ -35,11 +38,21 @@ def _children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def measure(script: str, args: list[str], nproc: int, fork: bool) -> dict[str, float]:
+MODES = {  # name: (fork the ranks, fork the agent from the server)
+    "new interpreters": (False, False),
+    "forked ranks": (True, False),
+    "forked agent and ranks": (True, True),
+}
+
+
+def measure(script: str, args: list[str], nproc: int, mode: str) -> dict[str, float]:
     """One job: ``{"cpu_s", "wall_s"}`` of all its processes."""
+    fork, served = MODES[mode]
+    os.environ[agent_server.SERVER_ENV] = "1" if served else "0"
     cpu, start = _children_cpu_s(), time.perf_counter()
-    launch.torchrun(script, args, nproc=nproc, echo=False, gpus=0, fork_ranks=fork)
-    return {"cpu_s": _children_cpu_s() - cpu, "wall_s": time.perf_counter() - start}
+    job = launch.torchrun(script, args, nproc=nproc, echo=False, gpus=0, fork_ranks=fork)
+    wall = time.perf_counter() - start
+    return {"cpu_s": job.cpu_s if served else _children_cpu_s() - cpu, "wall_s": wall}
 
 
 def main() -> None:
@@ -49,31 +62,31 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("DDP_COURSE_HEARTBEAT_S", "0")
     rows = []
-    runs = [(name, r, fork) for name in JOBS for r in range(args.repeats) for fork in (True, False)]
-    for name, repeat, fork in tqdm(runs, desc="jobs"):
+    measure(*JOBS["hello, 2 ranks"], "forked agent and ranks")  # starts the server
+    runs = [(name, r, mode) for name in JOBS for r in range(args.repeats) for mode in MODES]
+    for name, repeat, mode in tqdm(runs, desc="jobs"):
         script, script_args, nproc = JOBS[name]
-        row = measure(script, script_args, nproc, fork)
-        rows.append({"job": name, "repeat": repeat, "forked": fork, **row})
+        rows.append({"job": name, "repeat": repeat, "mode": mode,
+                     **measure(script, script_args, nproc, mode)})  # fmt: skip
     summary = {}
     for name in JOBS:
         med = {
-            (fork, key): statistics.median(
-                r[key] for r in rows if r["job"] == name and r["forked"] == fork
+            (mode, key): statistics.median(
+                r[key] for r in rows if r["job"] == name and r["mode"] == mode
             )
-            for fork in (True, False)
+            for mode in MODES
             for key in ("cpu_s", "wall_s")
         }
-        summary[name] = {
-            "new_interpreter_cpu_s": med[False, "cpu_s"],
-            "forked_cpu_s": med[True, "cpu_s"],
-            "cpu_ratio": med[True, "cpu_s"] / med[False, "cpu_s"],
-            "new_interpreter_wall_s": med[False, "wall_s"],
-            "forked_wall_s": med[True, "wall_s"],
-            "wall_ratio": med[True, "wall_s"] / med[False, "wall_s"],
-        }
-    header = ["job", *next(iter(summary.values()))]
-    print(markdown_table(header, [[name, *(f"{v:.2f}" for v in s.values())]
-                                  for name, s in summary.items()]))  # fmt: skip
+        summary[name] = {f"{mode}: {key}": med[mode, key] for key in ("cpu_s", "wall_s")
+                         for mode in MODES}  # fmt: skip
+    first = next(iter(MODES))
+    header = ["job", *(f"{mode}: {key} (ratio)" for key in ("cpu_s", "wall_s") for mode in MODES)]
+    table = [
+        [name, *(f"{s[f'{m}: {k}']:.2f} ({s[f'{m}: {k}'] / s[f'{first}: {k}']:.2f})"
+                 for k in ("cpu_s", "wall_s") for m in MODES)]
+        for name, s in summary.items()
+    ]  # fmt: skip
+    print(markdown_table(header, table))
     write_results(None, args.results, {"medians": summary}, rows=rows, args=vars(args))
 
 

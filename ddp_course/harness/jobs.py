@@ -13,6 +13,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import psutil
 
@@ -23,7 +24,9 @@ __all__ = [
     "HEARTBEAT_S",
     "check_script",
     "dump_python_stacks",
+    "job_environment",
     "kill_job",
+    "read_output",
     "shown_path",
     "start_job",
     "wait_job",
@@ -49,14 +52,14 @@ def shown_path(script: str | os.PathLike) -> str:
         return path.name
 
 
-def dump_python_stacks(proc: subprocess.Popen, script: pathlib.Path, wait_s: float = 5.0) -> None:
+def dump_python_stacks(proc: Any, script: pathlib.Path, wait_s: float = 5.0) -> None:
     """Send SIGABRT to every rank of the job started as ``proc`` (not to the agent), and
     wait up to ``wait_s`` seconds for them to die.
 
     A rank is a process below ``proc`` whose command line names ``script``: a rank
     torchrun started as ``python -u script``, or one forked from the agent (its command
-    line is the agent's). ``proc`` itself counts when it is not torchrun's agent (a
-    plain ``python script`` run).
+    line is the agent's, also for an agent forked by :mod:`.agent_server`). ``proc``
+    itself counts when it is not torchrun's agent (a plain ``python script`` run).
 
     Every rank runs with PYTHONFAULTHANDLER=1, so SIGABRT makes it print the Python stack
     of each of its threads to stderr (its log) before it dies: the stack of a hung job at
@@ -83,7 +86,7 @@ def dump_python_stacks(proc: subprocess.Popen, script: pathlib.Path, wait_s: flo
     psutil.wait_procs(ranks, timeout=wait_s)
 
 
-def kill_job(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
+def kill_job(proc: Any, grace_s: float = 5.0) -> None:
     """Stop the job started as ``proc`` and every process below it; returns once reaped.
 
     torchrun starts each worker in a session of its own, so killing torchrun's process
@@ -128,9 +131,7 @@ def _heartbeat_s() -> float:
         raise ValueError(f"{HEARTBEAT_ENV}={value!r} is not a number of seconds") from None
 
 
-def wait_job(
-    proc: subprocess.Popen, name: str, start: float, timeout_s: float, heartbeat: bool
-) -> int:
+def wait_job(proc: Any, name: str, start: float, timeout_s: float, heartbeat: bool) -> int:
     """``proc.wait(timeout_s)``, printing ``  ... NAME still running, N s`` every
     :data:`HEARTBEAT_S` seconds when ``heartbeat``; raises ``TimeoutExpired``."""
     deadline = start + timeout_s
@@ -162,27 +163,38 @@ def check_script(script: str | os.PathLike) -> pathlib.Path:
     return path
 
 
+def job_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """What a job's processes get: this process's environment, unbuffered output,
+    Python's fault handler on (a rank stopped with SIGABRT prints its Python stack),
+    then ``env``."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **env}
+
+
 def start_job(
     cmd: Sequence[str], env: Mapping[str, str], echo: bool, tag: str = ""
 ) -> tuple[subprocess.Popen, threading.Thread, list[str]]:
     """Start ``cmd`` in a session of its own and a thread that reads its output.
 
     Returns the process, the reader thread and the list the thread appends every
-    output line to. With ``echo``, lines other than torchrun's own log lines are
-    printed as they come, after ``tag`` (e.g. ``"[node 1] "``).
+    output line to (see :func:`read_output`).
     """
-    # PYTHONFAULTHANDLER: a rank stopped with SIGABRT prints its Python stack.
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **env}
     proc = subprocess.Popen(
         list(cmd),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        env=full_env,
+        env=job_environment(env),
         text=True,
         errors="replace",
         start_new_session=True,  # a group of its own to signal
         preexec_fn=_no_core_files,
     )
+    return proc, *read_output(proc, echo, tag)
+
+
+def read_output(proc: Any, echo: bool, tag: str = "") -> tuple[threading.Thread, list[str]]:
+    """A thread that reads ``proc.stdout`` (a text stream) line by line, and the list it
+    appends them to. With ``echo``, lines other than torchrun's own log lines are
+    printed as they come, after ``tag`` (e.g. ``"[node 1] "``)."""
     lines: list[str] = []
 
     def pump() -> None:
@@ -201,4 +213,4 @@ def start_job(
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
-    return proc, reader, lines
+    return reader, lines

@@ -46,7 +46,7 @@ from typing import Any
 
 from .. import runtime
 from ..runtime import DEVICE_ENV, device_plan
-from . import forked_ranks
+from . import agent_server, forked_ranks
 from .failures import (
     LaunchError,
     LaunchTimeout,
@@ -61,7 +61,9 @@ from .jobs import (
     HEARTBEAT_S,
     check_script,
     dump_python_stacks,
+    job_environment,
     kill_job,
+    read_output,
     shown_path,
     start_job,
     wait_job,
@@ -83,6 +85,11 @@ __all__ = [
 ]
 
 
+# The agent server this process's jobs fork their agents from (started by the first
+# job that can use one; see .agent_server).
+_AGENTS = agent_server.ServerSlot()
+
+
 @dataclasses.dataclass
 class LaunchResult:
     """A finished, successful job.
@@ -93,6 +100,8 @@ class LaunchResult:
         logs: every rank's output ``{rank: text}`` from the per-rank logs.
         results: the parsed JSON results file, or ``None``.
         wall_s: seconds from launch to exit, including process start-up.
+        cpu_s: CPU seconds (user + system) of the agent and its ranks when the agent
+            was forked by the agent server (:mod:`.agent_server`), else None.
     """
 
     returncode: int
@@ -100,6 +109,7 @@ class LaunchResult:
     logs: dict[int, str]
     results: Any
     wall_s: float
+    cpu_s: float | None = None
 
 
 def _run_job(
@@ -112,15 +122,18 @@ def _run_job(
     logs_path: pathlib.Path | None,
     results_path: pathlib.Path | None,
     shown: str,
+    served: bool = False,
 ) -> LaunchResult:
     """Start ``cmd`` in a session of its own, stream it, wait, and judge it.
 
     ``shown`` is the command as a learner would type it, printed first so a
-    cell that echoes nothing still says what it is waiting for.
+    cell that echoes nothing still says what it is waiting for. ``served``: ``cmd``
+    is ``python -m ddp_course.harness.loopback ARGS``, to fork from the agent server
+    when the job's environment allows (:func:`_start`).
     """
     print(f"$ {shown}", flush=True)
     start = time.perf_counter()
-    proc, reader, lines = start_job(cmd, env, echo)
+    proc, reader, lines = _start(cmd, env, echo, served)
 
     def rank_logs() -> dict[int, str]:
         return read_rank_logs(logs_path) if logs_path else {0: "".join(lines)}
@@ -162,7 +175,7 @@ def _run_job(
                               None, 0, logs)  # fmt: skip
         data = json.loads(results_path.read_text())
     print(f"{script.name} finished in {wall_s:.1f} s", flush=True)
-    return LaunchResult(returncode, output, logs, data, wall_s)
+    return LaunchResult(returncode, output, logs, data, wall_s, getattr(proc, "cpu_s", None))
 
 
 def torchrun(
@@ -272,9 +285,27 @@ def torchrun(
             ["torchrun", f"--nproc_per_node={nproc}", *extra_torchrun_args, shown_path(script),
              *args]
         )  # fmt: skip
+        served = fork_ranks and agent_server.enabled(env)
         return _run_job(
-            cmd, path, nproc, timeout_s, env, echo, logs_path, results_path, prefix + shown
-        )
+            cmd, path, nproc, timeout_s, env, echo, logs_path, results_path, prefix + shown,
+            served,
+        )  # fmt: skip
+
+
+def _start(cmd: list[str], env: Mapping[str, str], echo: bool, served: bool) -> tuple:
+    """:func:`.jobs.start_job`, or the agent forked from this process's agent server
+    when ``served`` and the job's environment lets it (:func:`.agent_server.servable`).
+    A server that cannot start or has gone leaves the job to a new interpreter."""
+    if served:
+        base, full = job_environment({}), job_environment(env)
+        if agent_server.servable(base, full):
+            try:
+                proc = _AGENTS.get(base).start(cmd, full)
+            except (OSError, ValueError):
+                pass
+            else:
+                return proc, *read_output(proc, echo)
+    return start_job(cmd, env, echo)
 
 
 def _fork_ranks(asked: bool | None, env: Mapping[str, str], single_node: bool) -> bool:

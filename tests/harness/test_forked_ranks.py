@@ -24,6 +24,7 @@ def test_a_forked_rank_sees_what_a_new_interpreter_sees(workers, tmp_path):
     assert [v.pop("preloaded_at_start") for v in started] == [False, False]
     # The script's arguments, but the two runs' files have different names.
     for view in forked + started:
+        view.pop("agent_ancestors")  # tests/harness/test_agent_server.py
         argv = view.pop("argv")
         assert argv[0] == str(workers / "rank_start_probe.py") and argv[1::2] == [
             "--atexit-file", "--results"]  # fmt: skip
@@ -32,6 +33,7 @@ def test_a_forked_rank_sees_what_a_new_interpreter_sees(workers, tmp_path):
     assert forked[0]["listening_at_start"] == []  # the agent's store is not rank 0's
     assert forked[0]["tempdir"] != "" and "ddp_course_" not in forked[0]["tempdir"]
     assert forked[1]["env"] == {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}
+    assert forked[0]["agent_command"] == {"loopback": True, "script": True}
     assert sorted(forked_goodbye.splitlines()) == sorted(started_goodbye.splitlines())
     assert len(forked_goodbye.splitlines()) == 2
 

@@ -134,7 +134,8 @@ def test_a_single_node_job_listens_on_loopback_only(workers, tmp_path):
     while len(list(ready.iterdir())) < 2 and run.is_alive() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert len(list(ready.iterdir())) == 2, "the job did not start"
-    (agent,) = psutil.Process().children()  # torchrun's agent
+    ranks = [psutil.Process(int(f.read_text())) for f in ready.iterdir()]
+    (agent,) = {rank.parent() for rank in ranks}  # torchrun's agent
     listening = _listening([agent, *agent.children(recursive=True)])
     run.join()
     assert "result" in job

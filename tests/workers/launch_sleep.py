@@ -2,8 +2,8 @@
 
 Runs as ``python tests/workers/launch_sleep.py`` and as
 ``torchrun --nproc_per_node=2 tests/workers/launch_sleep.py --sleep 1``.
-With ``--ready-dir DIR`` each rank creates ``DIR/rank<r>`` once every rank
-has joined the group, so a test can inspect a job that is running.
+With ``--ready-dir DIR`` each rank writes its process id to ``DIR/rank<r>`` once
+every rank has joined the group, so a test can inspect a job that is running.
 ``--pretend-gpus N`` makes torch report N GPUs in this process (none can be
 used), to test the device rule on a CPU machine.
 """
@@ -34,7 +34,7 @@ with distributed() as ctx:
           f"{DEVICE_ENV}={planned}", flush=True)  # fmt: skip
     barrier(ctx)
     if args.ready_dir:
-        pathlib.Path(args.ready_dir, f"rank{ctx.rank}").touch()
+        pathlib.Path(args.ready_dir, f"rank{ctx.rank}").write_text(str(os.getpid()))
     time.sleep(args.sleep)
     barrier(ctx)
     write_results(

@@ -39,6 +39,13 @@ LISTENING_AT_START = [c.laddr.port for c in psutil.Process().net_connections("tc
                       if c.status == psutil.CONN_LISTEN]  # fmt: skip
 
 
+def _agent_command() -> dict[str, bool]:
+    # Found by its command line, as the launcher's stack dumps and the lessons find it.
+    cmdline = psutil.Process().parent().cmdline()
+    return {"loopback": "ddp_course.harness.loopback" in cmdline,
+            "script": os.path.abspath(sys.argv[0]) in cmdline}  # fmt: skip
+
+
 def say_goodbye(rank: int) -> None:
     with open(args.atexit_file, "a") as f:
         f.write(f"rank {rank} ran its atexit function\n")
@@ -60,6 +67,10 @@ with distributed() as ctx:
         "root_handlers": len(logging.root.handlers),
         "listening_at_start": LISTENING_AT_START,
         "env": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")},
+        "device_env": os.environ.get("DDP_COURSE_DEVICE"),
+        "cwd": os.getcwd(),
+        "agent_command": _agent_command(),
+        "agent_ancestors": [p.pid for p in psutil.Process().parent().parents()[:2]],
     }
     views = [None] * ctx.world_size
     dist.all_gather_object(views, view)

@@ -1,0 +1,495 @@
+"""torchrun's agents forked from one warm process (a fork server) instead of started
+as new interpreters.
+
+Every job :func:`ddp_course.harness.launch.torchrun` runs begins with an agent,
+``python -m ddp_course.harness.loopback ...``, that spends about 4 s of CPU importing
+torch, ``torch._dynamo`` and ``torch.distributed`` before it starts its first rank,
+and about 1 s leaving (measured by ``benchmarks/launch_floor.py``). On a 2-core laptop
+running a test suite of a few hundred short jobs, that floor is minutes.
+:class:`AgentServer` pays it once: a process that imports all of it, then, for each
+job, forks a copy of itself that runs the agent with the job's arguments,
+environment, working folder and output pipe. The ranks are then forked from that
+agent (:mod:`.forked_ranks`), so no process of a job imports torch. This is what
+``multiprocessing``'s ``forkserver`` start method does for its workers
+(https://docs.python.org/3/library/multiprocessing.html#contexts-and-start-methods).
+
+The server talks to its launcher over a socket pair, not a listening socket: no
+other process can ask it to run anything, and it exits when the launcher does
+(end of file on its socket). Per job the launcher sends one request, the job's
+standard streams and one end of a new socket pair; the server forks a waiter,
+which forks the agent in a session of its own, sends back its pid, waits for it
+and sends its exit status and the CPU seconds it and its ranks used. A
+:class:`ServedJob` is the launcher's handle: what :mod:`.jobs` needs of
+``subprocess.Popen`` (``pid``, ``stdout``, ``poll``, ``wait``, ``kill``).
+
+Only variables read when a process starts need care: the server imported torch
+under the environment it was started with, so a job whose environment differs
+from it in anything but :data:`RUNTIME_VARIABLES` (variables the agent and ranks
+read later, e.g. ``DDP_COURSE_DEVICE``, ``GLOO_SOCKET_IFNAME``) starts its agent as
+a new interpreter, as before; and when the launcher's own environment changes, the
+next job gets a new server. ``DDP_COURSE_AGENT_SERVER=0`` turns the server off
+(:func:`enabled`); ``DDP_COURSE_FORK_RANKS=0`` turns off both.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import gc
+import importlib
+import io
+import json
+import os
+import resource
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = [
+    "RUNTIME_VARIABLES",
+    "SERVER_ENV",
+    "AgentServer",
+    "ServedJob",
+    "ServerSlot",
+    "enabled",
+    "servable",
+]
+
+# ``DDP_COURSE_AGENT_SERVER=0`` starts every agent as a new interpreter.
+SERVER_ENV = "DDP_COURSE_AGENT_SERVER"
+
+# Variables a job may set that no process reads while it imports torch: the course's
+# own (read when a script runs), the interfaces gloo and nccl bind (read when a group
+# is made), torchrun's store sharing (read by the agent at rendezvous) and the thread
+# count (the ranks set torch's pool from it, see .forked_ranks). A job that sets
+# anything else starts its agent as a new interpreter.
+RUNTIME_VARIABLES = (
+    "DDP_COURSE_",
+    "GLOO_SOCKET_IFNAME",
+    "NCCL_SOCKET_IFNAME",
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+    "OMP_NUM_THREADS",
+)
+
+# What every agent imports before its first rank (its ranks add .forked_ranks.PRELOADED).
+_AGENT_MODULES = (
+    "torch.distributed.run",
+    "torch.distributed.elastic.rendezvous.c10d_rendezvous_backend",
+    "torch.distributed.elastic.rendezvous.static_tcp_rendezvous",
+    "ddp_course.harness.loopback",
+    "ddp_course.harness.forked_ranks",
+)
+
+_START_TIMEOUT_S = 120.0
+
+# Room the server reserves for its agents' command lines (see set_command_line); a
+# job whose agent's command is longer starts it as a new interpreter.
+COMMAND_LINE_BYTES = 4096
+_STAT = "/proc/self/stat"
+
+
+def set_command_line(argv: Sequence[str]) -> bool:
+    """Make this process's command line, as ``ps``, psutil and ``/proc/PID/cmdline``
+    show it, read ``argv``; returns False (and changes nothing) if it does not fit.
+
+    A forked agent is the server's copy, so its command line would be the server's;
+    the launcher's stack dumps, the tests and the lessons find a job's agent and ranks
+    by theirs. The kernel reads a command line from the memory where the process's
+    arguments were put at start (``arg_start`` to ``arg_end`` in ``/proc/self/stat``,
+    see ``man 5 proc``); writing there is how ``setproctitle`` changes it on Linux:
+    the arguments joined by spaces, which psutil splits again (separated by NULs when
+    an argument holds a space). The server starts with a padding argument of
+    :data:`COMMAND_LINE_BYTES` to make room. Ranks forked afterwards inherit the new
+    command line.
+    """
+    with open(_STAT, "rb") as f:
+        stat = f.read()
+    fields = stat[stat.rindex(b")") + 2 :].split()  # field 3 onwards
+    arg_start, arg_end = int(fields[48 - 3]), int(fields[49 - 3])
+    args = [os.fsencode(arg) for arg in argv]
+    if any(b" " in arg or b"\t" in arg or b"\n" in arg for arg in args):
+        data, fill = b"".join(arg + b"\0" for arg in args), b"\0"
+    else:
+        # Separated by spaces, then a NUL, then no NUL at the end: the kernel then shows
+        # only the first string, and psutil splits it at the spaces (as for setproctitle);
+        # NULs to the end would show thousands of empty arguments.
+        data, fill = b" ".join(args) + b"\0", b" "
+    size = arg_end - arg_start
+    if not arg_start or len(data) >= size:
+        return False
+    ctypes.memmove(arg_start, data.ljust(size, fill), size)
+    return True
+
+
+def enabled(env: Mapping[str, str]) -> bool:
+    """Whether agents are forked from a server: ``DDP_COURSE_AGENT_SERVER`` in ``env``,
+    else in this process's environment, ``"1"`` (the default) or ``"0"``; never where
+    the kernel has no ``/proc/self/stat`` (see :func:`set_command_line`).
+
+    Raises:
+        ValueError: the variable is set to something other than ``"0"`` or ``"1"``.
+    """
+    setting = env.get(SERVER_ENV, os.environ.get(SERVER_ENV, "1"))
+    if setting not in ("0", "1"):
+        raise ValueError(f"{SERVER_ENV}={setting!r}: use 1 (fork the agents) or 0")
+    # Without /proc (macOS) a forked agent cannot show its own command line.
+    return setting == "1" and os.path.exists(_STAT)
+
+
+def servable(base: Mapping[str, str], job: Mapping[str, str]) -> bool:
+    """Whether a job whose processes get environment ``job`` can run in a server
+    started with environment ``base``: they differ only in :data:`RUNTIME_VARIABLES`."""
+    keys = set(base) | set(job)
+    differ = {k for k in keys if base.get(k) != job.get(k)}
+    return all(k.startswith(RUNTIME_VARIABLES) for k in differ)
+
+
+def _send(sock: socket.socket, message: Mapping[str, Any], fds: Sequence[int] = ()) -> None:
+    data = json.dumps(message).encode() + b"\n"
+    if fds:
+        socket.send_fds(sock, [data], list(fds))
+    else:
+        sock.sendall(data)
+
+
+class _Lines:
+    """Newline-framed JSON messages read from a socket, with the descriptors that came
+    with them."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buffer = b""
+        self.fds: list[int] = []
+
+    def ready(self, timeout_s: float | None) -> bool:
+        if b"\n" in self.buffer:
+            return True
+        readable, _, _ = select.select([self.sock], [], [], timeout_s)
+        return bool(readable)
+
+    def read(self) -> dict[str, Any] | None:
+        """The next message, or None at the end of the stream."""
+        while b"\n" not in self.buffer:
+            data, fds, _, _ = socket.recv_fds(self.sock, 1 << 16, 8)
+            self.fds += fds
+            if not data:
+                return None
+            self.buffer += data
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return json.loads(line)
+
+
+# ---------------------------------------------------------------- the server's side
+
+
+def _run_agent(request: Mapping[str, Any], fds: Sequence[int]) -> None:
+    """In the forked agent: take the job's streams, folder and environment, run the
+    agent as ``python -m ddp_course.harness.loopback ARGS`` would, and exit."""
+    os.setsid()  # a session of its own, as the launcher's Popen(start_new_session=True)
+    for target, fd in enumerate(fds[:3]):
+        os.dup2(fd, target)
+    for fd in fds:
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    set_command_line(request["command"])
+    atexit._clear()  # the server's own exit functions are not the agent's
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    from . import loopback
+
+    sys.argv = [loopback.__file__, *request["args"]]
+    code = 0
+    try:
+        loopback.main(request["args"])
+    except SystemExit as stop:
+        if stop.code is None or isinstance(stop.code, int):
+            code = stop.code or 0
+        else:
+            print(stop.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    finally:
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+    os._exit(code)
+
+
+def _wait_for_agent(status: socket.socket, request: Mapping[str, Any], fds: Sequence[int]) -> None:
+    """In the forked waiter: fork the agent, report its pid, wait, report its exit."""
+    try:
+        pid = os.fork()
+        if pid == 0:
+            status.close()
+            _run_agent(request, fds)
+        for fd in fds:
+            os.close(fd)
+        _send(status, {"pid": pid})
+        _, wait_status, usage = os.wait4(pid, 0)
+        _send(status, {"returncode": os.waitstatus_to_exitcode(wait_status),
+                       "cpu_s": usage.ru_utime + usage.ru_stime})  # fmt: skip
+    except OSError:
+        pass  # the launcher is gone: nobody to report to
+    finally:
+        os._exit(0)
+
+
+def serve(control: socket.socket) -> None:
+    """The server's loop: import what agents need, say ``ready``, then fork a waiter
+    per request until the launcher closes ``control``."""
+    from . import forked_ranks
+
+    # Importing torch._dynamo makes a cache folder in the temporary directory: make it
+    # in one of the server's own and remove that, so the server leaves nothing there
+    # (torch makes the folder again when something is saved in it).
+    tempfile.tempdir = tempfile.mkdtemp(prefix="ddp_course_agent_server_")
+    try:
+        for name in (*_AGENT_MODULES, *forked_ranks.PRELOADED):
+            importlib.import_module(name)
+    finally:
+        shutil.rmtree(tempfile.tempdir, ignore_errors=True)
+        tempfile.tempdir = None
+    gc.freeze()  # forked agents share these pages instead of copying them
+    set_command_line(sys.argv[:1] + ["-m", __spec__.name, sys.argv[1]])
+    _send(control, {"ready": os.getpid()})
+    requests = _Lines(control)
+    while True:
+        request = requests.read()
+        if request is None:
+            return
+        fds, requests.fds = requests.fds, []
+        status = socket.socket(fileno=fds.pop())
+        if os.fork() == 0:
+            control.close()
+            _wait_for_agent(status, request, fds)
+        status.close()
+        for fd in fds:
+            os.close(fd)
+        while True:  # reap waiters that have finished (each lives as long as its job)
+            try:
+                if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                    break
+            except ChildProcessError:
+                break
+
+
+# ---------------------------------------------------------------- the launcher's side
+
+
+class ServedJob:
+    """A job's agent forked by an :class:`AgentServer`: the part of ``subprocess.Popen``
+    the launcher uses.
+
+    Attributes:
+        pid: the agent's process id; it leads a session (and process group) of its own.
+        stdout: text stream of the agent's standard output and error.
+        returncode: ``None`` while it runs; then its exit code, or ``-N`` after signal N.
+        cpu_s: CPU seconds (user + system) of the agent and every rank it waited for,
+            known once it has exited.
+        served: always True: the agent's command line is the server's, so its ranks
+            cannot be found by theirs (see :func:`.jobs.dump_python_stacks`).
+    """
+
+    served = True
+
+    def __init__(self, status: socket.socket, stdout: io.TextIOBase, args: Sequence[str]) -> None:
+        self._status = _Lines(status)
+        self.stdout = stdout
+        self.args = list(args)
+        self.returncode: int | None = None
+        self.cpu_s: float | None = None
+        started = self._status.read()
+        if started is None:
+            raise OSError("the agent server stopped before it started the agent")
+        self.pid: int = started["pid"]
+
+    def poll(self) -> int | None:
+        """The exit code if the agent has exited, else None."""
+        if self.returncode is None and self._status.ready(0):
+            self._finish()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait up to ``timeout`` seconds; raises ``subprocess.TimeoutExpired``."""
+        if self.returncode is None:
+            if not self._status.ready(timeout):
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            self._finish()
+        assert self.returncode is not None
+        return self.returncode
+
+    def _finish(self) -> None:
+        done = self._status.read()
+        self._status.sock.close()
+        # No report: the waiter died (killed with the server); the agent's fate is unknown.
+        self.returncode = -signal.SIGKILL if done is None else done["returncode"]
+        self.cpu_s = None if done is None else done["cpu_s"]
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+
+class AgentServer:
+    """A warm process that forks torchrun's agents, started with environment ``env``.
+
+    Starting it costs what one agent's imports cost (a few seconds); every job after
+    that starts its agent in milliseconds. It lives until :meth:`close` or until this
+    process exits.
+
+    Raises:
+        OSError: the server did not start within 120 s, or exited first.
+    """
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self.env = dict(env)
+        self._lock = threading.Lock()
+        ours, theirs = socket.socketpair()
+        room = "-" * COMMAND_LINE_BYTES  # see set_command_line
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "ddp_course.harness.agent_server", str(theirs.fileno()),
+             room],
+            pass_fds=[theirs.fileno()], env=self.env, stdin=subprocess.DEVNULL,
+            start_new_session=True, preexec_fn=_no_core_files,
+        )  # fmt: skip
+        theirs.close()
+        self._control = ours
+        ready = _Lines(ours)
+        if not ready.ready(_START_TIMEOUT_S) or ready.read() is None:
+            self.close()
+            raise OSError(
+                "the agent server (python -m ddp_course.harness.agent_server) did not start"
+            )
+        atexit.register(self.close)
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def alive(self) -> bool:
+        return self._proc.poll() is None
+
+    def start(self, command: Sequence[str], env: Mapping[str, str]) -> ServedJob:
+        """Fork an agent that runs ``command`` (``python -m ddp_course.harness.loopback
+        ARGS``) in this process's working folder with environment ``env``; its standard
+        output and error go to the returned job's ``stdout`` pipe, its standard input is
+        ``/dev/null``.
+
+        Raises:
+            ValueError: ``command`` is not that, or longer than
+                :data:`COMMAND_LINE_BYTES` (start it as a new interpreter instead).
+            OSError: the server is gone.
+        """
+        command = list(command)
+        if command[1:3] != ["-m", "ddp_course.harness.loopback"]:
+            raise ValueError(f"not an agent's command: {command[:3]}")
+        if sum(len(os.fsencode(part)) + 1 for part in command) > COMMAND_LINE_BYTES:
+            raise ValueError("the agent's command line is longer than the server's room")
+        status, theirs = socket.socketpair()
+        read_end, write_end = os.pipe()
+        request = {"command": command, "args": command[3:], "env": dict(env),
+                   "cwd": os.getcwd()}  # fmt: skip
+        try:
+            with open(os.devnull, "rb") as devnull, self._lock:
+                fds = [devnull.fileno(), write_end, write_end, theirs.fileno()]
+                _send(self._control, request, fds)
+        except OSError:
+            os.close(read_end)
+            status.close()
+            raise
+        finally:
+            os.close(write_end)
+            theirs.close()
+        stdout = open(read_end, encoding="utf-8", errors="replace")  # noqa: SIM115
+        try:
+            return ServedJob(status, stdout, command)
+        except OSError:
+            stdout.close()
+            raise
+
+    def close(self) -> None:
+        """Stop the server (jobs it started run on)."""
+        try:
+            self._control.close()
+        except OSError:
+            pass
+        try:
+            self._proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+
+class ServerSlot:
+    """The one :class:`AgentServer` of a launching process (a notebook's kernel, a test
+    worker), started on first use and replaced by a new one when the environment it
+    would start with, or the harness files its agents run, changed since.
+
+    Raises (from :meth:`get`):
+        OSError: a new server did not start.
+    """
+
+    def __init__(self) -> None:
+        self._server: AgentServer | None = None
+        self._sources: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def pid(self) -> int | None:
+        """The running server's process id, or None before the first served job."""
+        server = self._server
+        return server.pid if server is not None and server.alive() else None
+
+    def get(self, env: Mapping[str, str]) -> AgentServer:
+        """The server for jobs whose launcher's environment is ``env``."""
+        sources = _harness_sources()
+        with self._lock:
+            server = self._server
+            if (
+                server is None
+                or not server.alive()
+                or server.env != dict(env)
+                or (sources != self._sources)
+            ):
+                if server is not None:
+                    server.close()
+                self._server, self._sources = None, sources
+                server = self._server = AgentServer(env)
+            return server
+
+
+def _harness_sources() -> dict[str, float]:
+    # An agent runs these from the server's memory: an edited file needs a new server.
+    here = os.path.dirname(os.path.abspath(__file__))
+    names = ("agent_server.py", "forked_ranks.py", "loopback.py")
+    return {name: os.stat(os.path.join(here, name)).st_mtime for name in names}
+
+
+def _no_core_files() -> None:
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+if __name__ == "__main__":
+    serve(socket.socket(fileno=int(sys.argv[1])))

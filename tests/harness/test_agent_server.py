@@ -1,0 +1,94 @@
+"""torchrun's agents forked from a warm server (ddp_course.harness.agent_server): a
+served job runs as one started as a new interpreter, jobs whose environment the
+server cannot give start as before, and the server goes when its launcher goes."""
+
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from ddp_course.harness import agent_server, launch
+
+
+def _views(workers, tmp_path, served, monkeypatch, env=None):
+    monkeypatch.setenv(agent_server.SERVER_ENV, "1" if served else "0")
+    goodbye = tmp_path / f"atexit_{served}.txt"
+    job = launch.torchrun(workers / "rank_start_probe.py", ["--atexit-file", str(goodbye)],
+                          nproc=2, results=True, echo=False, gpus=0, env=env)  # fmt: skip
+    return job, job.results["views"]
+
+
+def test_a_served_agent_runs_the_job_as_a_new_agent_would(workers, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the agent starts in the launcher's folder, not the server's
+    served_job, served = _views(workers, tmp_path, True, monkeypatch)
+    plain_job, plain = _views(workers, tmp_path, False, monkeypatch)
+    # Agent -> waiter -> server for the served job; agent -> this process otherwise.
+    assert {v.pop("agent_ancestors")[1] for v in served} == {launch._AGENTS.pid}
+    assert {v.pop("agent_ancestors")[0] for v in plain} == {os.getpid()}
+    for view in served + plain:
+        view["argv"] = view["argv"][:2]  # the results files' names differ
+    assert served == plain
+    assert served[0]["cwd"] == str(tmp_path) and served[0]["device_env"] == "cpu"
+    assert served[0]["agent_command"] == {"loopback": True, "script": True}
+    assert served[0]["preloaded_at_start"]
+    # What the agent and its ranks used, reported by the server's waiter.
+    assert served_job.cpu_s > 0 and plain_job.cpu_s is None
+
+
+def test_a_variable_read_at_import_gets_a_new_interpreter(workers, tmp_path, monkeypatch):
+    _, served = _views(workers, tmp_path, True, monkeypatch)
+    server = launch._AGENTS.pid
+    assert served[0]["agent_ancestors"][1] == server
+    _, views = _views(workers, tmp_path, True, monkeypatch, env={"TORCH_CPP_LOG_LEVEL": "ERROR"})
+    assert views[0]["agent_ancestors"][0] == os.getpid()
+    # A variable the ranks read only later is served.
+    _, views = _views(workers, tmp_path, True, monkeypatch, env={"GLOO_SOCKET_IFNAME": "lo"})
+    assert views[0]["agent_ancestors"][1] == server
+    # The launcher's own environment changed: a new server, the old one gone.
+    monkeypatch.setenv("DDP_COURSE_TEST_UNRELATED", "1")
+    monkeypatch.setenv("SOME_LIBRARY_SETTING", "1")
+    _, views = _views(workers, tmp_path, True, monkeypatch)
+    assert views[0]["agent_ancestors"][1] == launch._AGENTS.pid != server
+    assert not psutil.pid_exists(server) or psutil.Process(server).status() == "zombie"
+
+
+def test_servable_allows_only_variables_read_at_run_time():
+    base = {"PATH": "/bin", "DDP_COURSE_DEVICE": "cpu"}
+    assert agent_server.servable(base, {**base, "DDP_COURSE_DEVICE": "cuda"})
+    assert agent_server.servable(base, {**base, "OMP_NUM_THREADS": "1"})
+    assert not agent_server.servable(base, {**base, "TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+    assert not agent_server.servable(base, {"DDP_COURSE_DEVICE": "cpu"})  # PATH dropped
+
+
+def test_the_server_leaves_with_its_launcher(workers):
+    code = (
+        "from ddp_course.harness import launch\n"
+        f"launch.torchrun({str(workers / 'launch_sleep.py')!r}, nproc=1, echo=False, gpus=0)\n"
+        "print(launch._AGENTS.pid)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, check=True)  # fmt: skip
+    pid = int(done.stdout.split()[-1])
+    deadline = time.monotonic() + 20
+    while psutil.pid_exists(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not psutil.pid_exists(pid)
+
+
+@pytest.mark.parametrize("argv", [["python", "-m", "x", "a/b.py"], ["python", "with space"]])
+def test_a_process_can_show_another_command_line(argv):
+    code = (
+        "import sys, psutil\n"
+        "from ddp_course.harness.agent_server import set_command_line\n"
+        f"assert set_command_line({argv!r})\n"
+        "assert not set_command_line(['x' * 10000])\n"
+        "print(repr([a for a in psutil.Process().cmdline() if a]))\n"
+    )
+    room = "-" * 1000  # as the server reserves room for its agents' command lines
+    done = subprocess.run([sys.executable, "-c", code, room], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == repr(argv)
