@@ -21,15 +21,17 @@ parallelisms), ``mesh_model`` (a layout's training step) and ``mesh_predictions`
 ``step_budget`` (what a step saves for backward, recomputing it, and a step's budget),
 ``context_parallel`` (placement and masks, blockwise attention, the ring
 schedule, ring attention, Ulysses, and their work and bytes per rank),
-``expert_parallel`` (a mixture of experts over ranks), ``checkpoint``,
+``expert_parallel`` (a mixture of experts over ranks; ``expert_parallel_dropless``,
+GShard's padded exchange to compare with, and ``expert_data_parallel``, EP x DP
+groups), ``checkpoint``,
 ``training`` (train and exact evaluation loops), ``data`` and ``models``.
 
 Two subpackages hold the rest: ``tools`` measures and diagnoses a job
 (``collective_log``, ``bench``, ``scaling``, ``trace``, ``monitor``, ``debug``,
-``flops``, ``saved_tensors``, ``op_counts``, ``peak_memory``); ``harness`` runs the course
-(``launch`` and its parts, ``restarts``, ``multinode``, ``netns``, ``slurm`` and their
-parts, the command line ``cli``, ``gpu_check`` and its parts, and the notebooks'
-``notebook`` helpers).
+``flops``, ``saved_tensors``, ``op_counts``, ``peak_memory``, ``kineto_log``);
+``harness`` runs the course (``launch`` and its parts, ``restarts``, ``multinode``,
+``netns``, ``slurm`` and their parts, the command line ``cli``, ``gpu_check`` and its
+parts, and the notebooks' ``notebook`` helpers).
 """
 
 __version__ = "0.1.0"
