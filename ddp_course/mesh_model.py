@@ -212,36 +212,83 @@ class MeshModel:
         """
         from torch.distributed.tensor.parallel import loss_parallel
 
+        self._check_slice(x)
+        if self.schedule is not None:
+            return self._global_mean(self._pipeline_loss(self.schedule.step, x, y))
+        if self.loss_parallel:
+            with loss_parallel():
+                loss = self.cross_entropy(self.module(x), y)
+                loss.backward()
+        else:
+            with self.autocast():
+                loss = self.loss(self.module(x), y)
+            loss.backward()
+        return self._global_mean(loss)
+
+    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """The loss of this rank's slice ``int64 [B/dp, T]`` without gradients (a
+        validation loss): forward only, in ``eval()`` mode, under ``torch.no_grad()``.
+
+        FSDP2 keeps the root's parameters gathered after a forward until its backward
+        (:func:`apply_data_parallel`); with no backward coming, every FSDP module is
+        resharded here, so the next training step starts as it would have without this call.
+
+        Raises:
+            ValueError: an empty slice.
+
+        Returns:
+            The mean loss of the whole global batch, as :meth:`forward_backward` returns it,
+            the same float on every rank.
+        """
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        self._check_slice(x)
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            with torch.no_grad():
+                if self.schedule is not None:
+                    loss = self._pipeline_loss(self.schedule.eval, x, y)
+                elif self.loss_parallel:
+                    with loss_parallel():
+                        loss = self.cross_entropy(self.module(x), y)
+                else:
+                    with self.autocast():
+                        loss = self.loss(self.module(x), y)
+        finally:
+            self.module.train(was_training)
+        for module in self.module.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        return self._global_mean(loss)
+
+    @staticmethod
+    def _check_slice(x: torch.Tensor) -> None:
         if x.shape[0] == 0:
             # An empty slice would leave this rank out of its groups' collectives: a hang.
             raise ValueError("this rank's slice of the batch is empty: give every "
                              "data-parallel rank at least one sequence")  # fmt: skip
-        if self.schedule is not None:
-            first, last = self.stage_index == 0, self.stage_index == self.layout.pp - 1
-            losses = []
-            self.schedule.step(*([x] if first else []), target=y if last else None,
-                               losses=losses if last else None)  # fmt: skip
-            local = (
-                torch.stack(losses).mean().detach()
-                if last
-                else torch.zeros((), dtype=torch.float64)
-            )
-            local = local.to(torch.float64).to(x.device)
-            # The last stage knows the loss; the pipeline group shares it.
-            dist.all_reduce(local, group=self.mesh["pp"].get_group())
-        else:
-            if self.loss_parallel:
-                with loss_parallel():
-                    loss = self.cross_entropy(self.module(x), y)
-                    loss.backward()
-            else:
-                with self.autocast():
-                    loss = self.loss(self.module(x), y)
-                loss.backward()
-            local = loss.detach()
-            local = (local.full_tensor() if hasattr(local, "full_tensor") else local).to(
-                torch.float64
-            )
+
+    def _pipeline_loss(self, run, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The slice's mean loss through the schedule's ``run`` (``step`` or ``eval``), on
+        every stage: the last stage knows it, the pipeline group shares it."""
+        first, last = self.stage_index == 0, self.stage_index == self.layout.pp - 1
+        losses = []
+        run(*([x] if first else []), target=y if last else None,
+            losses=losses if last else None)  # fmt: skip
+        local = (
+            torch.stack(losses).mean().detach() if last else torch.zeros((), dtype=torch.float64)
+        )
+        local = local.to(torch.float64).to(x.device)
+        dist.all_reduce(local, group=self.mesh["pp"].get_group())
+        return local
+
+    def _global_mean(self, loss: torch.Tensor) -> float:
+        """The mean over the data-parallel ranks of this slice's loss (a DTensor is read
+        whole first), in float64."""
+        local = loss.detach()
+        local = (local.full_tensor() if hasattr(local, "full_tensor") else local).to(torch.float64)
         for group in self.dp_groups:
             dist.all_reduce(local, group=group)
         return (local / self.layout.dp).item()

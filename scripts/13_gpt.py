@@ -3,6 +3,7 @@
 Run from the repository root:
     python scripts/13_gpt.py --steps 50
     torchrun --nproc_per_node=4 scripts/13_gpt.py --dp 2 --tp 2 --steps 200 --check
+    torchrun --nproc_per_node=4 scripts/13_gpt.py --dp 4 --replicate 2 --check
     torchrun --nproc_per_node=4 scripts/13_gpt.py --suite --dtype float64 --steps 5
 On a machine with GPUs but fewer than the ranks launched, every rank must run on the CPU:
     DDP_COURSE_DEVICE=cpu torchrun --nproc_per_node=4 scripts/13_gpt.py --dp 2 --tp 2
@@ -12,9 +13,13 @@ layout --pp x --dp x --tp (their product must equal the world size): every
 data-parallel rank takes its --batch-size sequences of the global batch, the
 tensor-parallel ranks split heads and MLP features (--sp: LayerNorms on a slice
 of the sequence; --tp must divide --n-heads), the pipeline ranks split the blocks.
-With --check the same ranks train DDP too (same weights, same batches) and the
-losses and final parameters are compared. Rank 0 samples text from the trained model and
-writes the loss curve, tokens/s and, on a GPU in bfloat16, the MFU to --results
+The --dp ranks run FSDP2, or HSDP with --replicate R: R replicas of --dp/R shards.
+Every --eval-every steps (and before the first, after the last) the model's loss on
+--eval-batches fixed batches of the held-out text (the plays' last tenth) is the
+validation loss, the same on every rank (checked). With --check the same ranks
+train DDP too (same weights, same batches) and the losses, validation losses and
+final parameters are compared. Rank 0 samples text from the trained model and
+writes the loss curves, tokens/s and, on a GPU in bfloat16, the MFU to --results
 (the peak looked up by the exact device name, or given with --peak-flops).
 tokens/s counts only the steps after the first --warmup ones (the first steps
 build communicators and caches), timed with the GPU synchronised before each
@@ -70,6 +75,9 @@ def parse_args():
     p.add_argument("--dp", type=int, default=1, help="data-parallel ranks (FSDP2 shards)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    p.add_argument("--replicate", type=int, default=1,
+                   help="HSDP: the --dp ranks as this many replicas of sharded copies "
+                   "(must divide --dp; 1: FSDP over all --dp ranks)")  # fmt: skip
     p.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--steps", type=int, default=300)
@@ -82,6 +90,10 @@ def parse_args():
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--check", action="store_true", help="train DDP too and compare")
+    p.add_argument("--eval-every", type=int, default=25,
+                   help="steps between validation losses (0: none)")  # fmt: skip
+    p.add_argument("--eval-batches", type=int, default=2,
+                   help="fixed held-out batches each validation loss averages")  # fmt: skip
     p.add_argument("--peak-flops", type=float, help="GPU's dense bfloat16 peak, FLOP/s, for MFU "
                    "(default: looked up by the exact device name)")  # fmt: skip
     p.add_argument("--sample", type=int, default=200, help="bytes of text to sample at the end")
@@ -96,9 +108,9 @@ def new_model(config, dtype, device, seed):
     return TinyGPT(**config).to(device=device, dtype=dtype)
 
 
-def global_batches(steps, global_batch, seq_len, seed, device):
+def global_batches(steps, global_batch, seq_len, seed, device, split="train"):
     gen = torch.Generator().manual_seed(seed + 1)  # the same global batches on every rank
-    text = shakespeare_bytes("train")
+    text = shakespeare_bytes(split)
     return [[t.to(device) for t in lm_batch(text, global_batch, seq_len, gen)]
             for _ in range(steps)]  # fmt: skip
 
@@ -116,16 +128,27 @@ def synced_clock(device):
     return time.perf_counter()
 
 
-def train(lay, model, batches, ctx, optimizer, lr, compute_dtype=None, counts=None):
+def train(lay, model, batches, ctx, optimizer, lr, compute_dtype=None, counts=None, val=None):
     """Train ``model`` laid out as ``lay``: the loss of every step, the MeshModel, the
     optimizer and the seconds of every step (the set-up before the first is not timed).
     With a ``counts`` dict, the second step (the steady one) runs with its collectives
-    counted per phase and mesh dimension, into ``counts``."""
+    counted per phase and mesh dimension, into ``counts``. With ``val`` (a dict with
+    ``every`` and ``batches``), the validation loss (the mean over those fixed batches)
+    before the first step, after every ``every`` steps and after the last, untimed, goes
+    into ``val["steps"]`` (steps done) and ``val["losses"]``."""
     mesh = ml.build_mesh(lay, ctx.device.type)
     mm = MeshModel(model, lay, mesh, compute_dtype=compute_dtype)  # NEW: a layout, one line
     opt = optimizer(mm.module.parameters(), lr)
+
+    def validate(done):
+        if val is not None and (done % val["every"] == 0 or done == len(batches)):
+            held_out = [mm.evaluate(*my_slice(b, mesh, lay.dp)) for b in val["batches"]]
+            val.setdefault("steps", []).append(done)
+            val.setdefault("losses", []).append(statistics.fmean(held_out))
+        return synced_clock(ctx.device)  # the next step's clock starts after it
+
     losses, seconds = [], []
-    before = synced_clock(ctx.device)
+    before = validate(0)
     for step, batch in enumerate(batches):
         if counts is not None and step == 1:
             loss, seen = count_step(mm, *my_slice(batch, mesh, lay.dp))
@@ -137,7 +160,7 @@ def train(lay, model, batches, ctx, optimizer, lr, compute_dtype=None, counts=No
         opt.zero_grad()
         after = synced_clock(ctx.device)
         seconds.append(after - before)
-        before = after
+        before = validate(step + 1) if val is not None else after
     return losses, mm, opt, seconds
 
 
@@ -325,6 +348,14 @@ def run_suite(args, ctx, dtype, log):
     write_results(ctx, args.results, result, args=vars(args))
 
 
+def same_on_every_rank(ctx, values, what):
+    """``values`` (floats) if every rank holds the very same ones; RuntimeError otherwise."""
+    seen = gather_lists(ctx, values)
+    if any(v != seen[0] for v in seen):
+        raise RuntimeError(f"{what} differ across the ranks: {seen}")
+    return values
+
+
 def master_dtypes(module):
     """The dtypes of the parameters the optimizer updates, by name (a DTensor's is its shard's)."""
     return sorted({str(p.dtype) for p in module.parameters()})
@@ -343,7 +374,9 @@ def sample(params, config, dtype, ctx, new_bytes, seed):
 def run_training(args, ctx, log):
     config = dict(d_model=args.d_model, n_heads=args.n_heads, n_layers=args.n_layers,
                   seq_len=args.seq_len)  # fmt: skip
-    lay = ml.Layout("run", dp=args.dp, tp=args.tp, pp=args.pp, sequence_parallel=args.sp)
+    data = "hsdp" if args.replicate > 1 else "fsdp"  # NEW: --replicate R makes it HSDP
+    lay = ml.Layout("run", dp=args.dp, tp=args.tp, pp=args.pp, data=data,
+                    replicate=args.replicate, sequence_parallel=args.sp)  # fmt: skip
     lay.check_model(args.n_heads, args.d_model, args.seq_len)  # --tp must divide --n-heads
     if lay.world_size != ctx.world_size:
         raise ValueError(
@@ -358,24 +391,39 @@ def run_training(args, ctx, log):
         )
     if args.warmup < 0:
         raise ValueError(f"--warmup {args.warmup}: the warm-up steps cannot be negative")
+    if args.eval_every < 0 or args.eval_batches < 1:
+        raise ValueError("--eval-every must be 0 (no validation) or more, --eval-batches 1 or more")
     # NEW: bfloat16 is mixed precision: float32 master weights, bfloat16 compute.
     mixed = args.dtype == "bfloat16"
     dtype, compute = (torch.float32, torch.bfloat16) if mixed else (DTYPES[args.dtype], None)
     batches = global_batches(args.steps, global_batch, args.seq_len, args.seed, ctx.device)
+    # NEW: fixed batches of the held-out text, the same at every evaluation and on every rank.
+    held_out = global_batches(args.eval_batches, global_batch, args.seq_len, args.seed,
+                              ctx.device, split="val")  # fmt: skip
+
+    def validation():
+        return {"every": args.eval_every, "batches": held_out} if args.eval_every else None
+
     model = new_model(config, dtype, ctx.device, args.seed)
     n_params = sum(p.numel() for p in model.parameters())
     n_matmul = flops.matmul_params(model)  # PaLM's N: not the embedding tables
     computed = set()  # the dtype the head computes in: bfloat16 under mixed precision
     model.head.register_forward_hook(lambda module, inputs, out: computed.add(str(out.dtype)))
-    losses, mm, _, step_seconds = train(lay, model, batches, ctx, adamw, args.lr, compute)
+    val = validation()
+    losses, mm, _, step_seconds = train(lay, model, batches, ctx, adamw, args.lr, compute,
+                                        val=val)  # fmt: skip
     params = mm.full_parameters()
     timed = step_seconds[args.warmup :]  # the first steps build communicators and caches
     seconds = sum(timed) if timed else None
-    result = {"layout": {"pp": lay.pp, "dp": lay.dp, "tp": lay.tp, "sp": lay.sequence_parallel},
+    result = {"layout": {"pp": lay.pp, "dp": lay.dp, "tp": lay.tp, "sp": lay.sequence_parallel,
+                         "data": lay.data, "mesh": dict(zip(ml.MESH_DIMS, lay.shape))},
               "config": config, "dtype": args.dtype, "master_dtypes": master_dtypes(mm.module),
               "head_output_dtypes": sorted(computed), "losses": losses, "params": n_params,
               "warmup_steps": args.warmup, "timed_steps": len(timed),
               "step_seconds": step_seconds, "seconds": seconds}  # fmt: skip
+    if val is not None:
+        result["val_steps"] = val["steps"]
+        result["val_losses"] = same_on_every_rank(ctx, val["losses"], "validation losses")
     gpu = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else ""
     result["gpu"] = gpu
     if seconds is None:
@@ -402,16 +450,23 @@ def run_training(args, ctx, log):
     if args.check:  # NEW: the same weights and batches with DDP over every rank
         ddp = ml.Layout("ddp", dp=ctx.world_size, data="ddp")
         model = new_model(config, dtype, ctx.device, args.seed)
-        result["ddp_losses"], ddp_mm, *_ = train(ddp, model, batches, ctx, adamw, args.lr, compute)
+        ddp_val = validation()
+        result["ddp_losses"], ddp_mm, *_ = train(ddp, model, batches, ctx, adamw, args.lr,
+                                                 compute, val=ddp_val)  # fmt: skip
         result["param_gap"] = max_gap(params, ddp_mm.full_parameters())
+        if ddp_val is not None:
+            result["ddp_val_losses"] = same_on_every_rank(
+                ctx, ddp_val["losses"], "DDP's validation losses"
+            )
     if lay.pp == 1 and args.sample:
         result["sample"] = sample(params, config, dtype, ctx, args.sample, args.seed)
     elif args.sample:
         result["sample_skipped"] = "with --pp > 1 each rank holds only its stage's blocks"
         log.info(f"sampling skipped: {result['sample_skipped']}")
     speed = "" if result["tokens_per_s"] is None else f", {result['tokens_per_s']:,.0f} tokens/s"
-    log.info(f"{lay.pp}x{lay.dp}x{lay.tp} (pp x dp x tp): loss {losses[0]:.3f} -> "
-             f"{losses[-1]:.3f} in {args.steps} steps{speed}")  # fmt: skip
+    held = "" if val is None else f", validation loss {val['losses'][-1]:.3f}"
+    log.info(f"{lay.pp}x{lay.dp}x{lay.tp} (pp x dp x tp, {lay.data}): loss {losses[0]:.3f} -> "
+             f"{losses[-1]:.3f} in {args.steps} steps{held}{speed}")  # fmt: skip
     write_results(ctx, args.results, result, args=vars(args))
 
 

@@ -96,6 +96,25 @@ def test_one_process_with_check(root):
     assert r["mfu_skipped"] == flops.skip_reason(r["gpu"], "float32")
 
 
+def test_hsdp_from_the_command_line_trains_like_ddp(root):
+    # --dp 4 --replicate 2: 2 replicas of 2 shards. float64, so HSDP and DDP differ only by
+    # the order of their sums; the validation losses are checked equal on every rank by
+    # the script itself.
+    job = launch.torchrun("scripts/13_gpt.py", ["--dp", "4", "--replicate", "2", "--check",
+                          "--dtype", "float64", "--steps", "4", "--eval-every", "2",
+                          "--batch-size", "1", "--d-model", "16", "--seq-len", "16",
+                          "--sample", "0"], nproc=4, results=True, echo=False,
+                          timeout_s=300)  # fmt: skip
+    r = job.results
+    assert r["layout"]["data"] == "hsdp"
+    assert r["layout"]["mesh"] == {"pp": 1, "replicate": 2, "shard": 2, "tp": 1}
+    assert r["param_gap"] <= TOL
+    assert max(abs(a - b) for a, b in zip(r["losses"], r["ddp_losses"])) <= TOL
+    assert r["val_steps"] == [0, 2, 4]  # before the first step, every 2, after the last
+    assert max(abs(a - b) for a, b in zip(r["val_losses"], r["ddp_val_losses"])) <= TOL
+    assert r["val_losses"][-1] < r["val_losses"][0]
+
+
 def test_world_size_must_equal_pp_dp_tp(root):
     with pytest.raises(LaunchError, match="make their product the world size"):
         launch.python(root / "scripts/13_gpt.py", ["--dp", "2"], echo=False, timeout_s=120)
