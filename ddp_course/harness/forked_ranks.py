@@ -46,6 +46,7 @@ __all__ = [
     "PRELOADED",
     "close_inherited_listeners",
     "enabled",
+    "possible",
     "prepare_agent",
     "rank_entrypoint",
 ]
@@ -75,13 +76,30 @@ def enabled(env: Mapping[str, str]) -> bool:
     as a new interpreter, as plain ``torchrun`` does (slower, and what to try first when a
     job behaves differently under the course's launcher than from a shell).
 
+    Never on a machine where torch sees a GPU (:func:`possible`), whatever the setting.
+
     Raises:
         ValueError: the variable is set to something other than ``"0"`` or ``"1"``.
     """
     setting = env.get(FORK_ENV, os.environ.get(FORK_ENV, "1"))
     if setting not in ("0", "1"):
         raise ValueError(f"{FORK_ENV}={setting!r}: use 1 (fork the ranks) or 0")
-    return setting == "1"
+    return setting == "1" and possible()
+
+
+def possible() -> bool:
+    """Whether ranks can be forked on this machine: only where torch sees no GPU.
+
+    A process forked from one that has initialised CUDA cannot use it, not even to ask
+    (https://pytorch.org/docs/stable/notes/multiprocessing.html#cuda-in-multiprocessing),
+    and a CPU rank's ``torch.optim.AdamW.step`` asks: on an H200 with torch 2.11, the
+    ranks of a CPU job forked from the agent failed there with ``CUDA error:
+    initialization error``. So on a GPU machine the ranks of a CPU job (a fallback with
+    fewer GPUs than ranks) start as new interpreters.
+    """
+    from ..runtime import gpu_count
+
+    return gpu_count() == 0
 
 
 def prepare_agent(tempdir: str | None) -> Callable[..., None]:

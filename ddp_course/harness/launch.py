@@ -310,7 +310,8 @@ def _start(cmd: list[str], env: Mapping[str, str], echo: bool, served: bool) -> 
 
 def _fork_ranks(asked: bool | None, env: Mapping[str, str], single_node: bool) -> bool:
     """Whether a job forks its ranks from the agent: a CUDA process must not be forked
-    once CUDA is initialised, and a multi-node job's agents start as torchrun's do."""
+    once CUDA is initialised (nor, on a GPU machine, a CPU one: see
+    :func:`.forked_ranks.possible`), and a multi-node job's agents start as torchrun's do."""
     device = env.get(DEVICE_ENV, os.environ.get(DEVICE_ENV, ""))
     possible = single_node and device == "cpu"
     if asked and not possible:
@@ -318,6 +319,9 @@ def _fork_ranks(asked: bool | None, env: Mapping[str, str], single_node: bool) -
             f"fork_ranks=True needs a single-node job on the CPU ({DEVICE_ENV}=cpu), "
             f"not {DEVICE_ENV}={device!r} on {'one node' if single_node else 'several nodes'}"
         )
+    if asked and not forked_ranks.possible():
+        raise ValueError("fork_ranks=True needs a machine where torch sees no GPU: a rank "
+                         "forked after CUDA was initialised cannot use it")  # fmt: skip
     if asked is None:
         return possible and forked_ranks.enabled(env)
     return asked

@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+from ddp_course import runtime
 from ddp_course.harness import forked_ranks, launch
 
 
@@ -72,3 +73,14 @@ def test_cpu_jobs_fork_unless_told_not_to(monkeypatch):
     assert not forked_ranks.enabled({forked_ranks.FORK_ENV: "0"})
     monkeypatch.setenv(forked_ranks.FORK_ENV, "0")
     assert not forked_ranks.enabled({})
+
+
+def test_no_rank_is_forked_on_a_machine_with_a_gpu(workers, monkeypatch):
+    # A CPU fallback job on a GPU machine: its forked ranks could not use CUDA at all.
+    monkeypatch.delenv(forked_ranks.FORK_ENV, raising=False)
+    monkeypatch.setattr(runtime, "gpu_count", lambda: 1)
+    assert not forked_ranks.enabled({})
+    assert not launch._fork_ranks(None, {"DDP_COURSE_DEVICE": "cpu"}, single_node=True)
+    with pytest.raises(ValueError, match="torch sees no GPU"):
+        launch.torchrun(workers / "rank_start_probe.py", env={"DDP_COURSE_DEVICE": "cpu"},
+                        fork_ranks=True)  # fmt: skip
