@@ -206,12 +206,15 @@ def torchrun(
     ``extra_torchrun_args`` name a rendezvous endpoint, master address or
     several nodes, or ``env`` sets those variables.
 
-    A single-node job on the CPU forks its ranks from torchrun's agent (``torchrun
-    --run-path --start-method=fork``, :mod:`.forked_ranks`) instead of starting each
-    as a new interpreter, as the printed command does: each rank then skips the
-    seconds of CPU that importing torch costs; the script, its arguments, environment,
-    logs and exit codes are the same. ``fork_ranks=False`` or
-    ``DDP_COURSE_FORK_RANKS=0`` starts new interpreters (see :func:`.forked_ranks.enabled`).
+    A single-node job on the CPU of a machine where torch sees no GPU forks its ranks
+    from torchrun's agent (``torchrun --run-path --start-method=fork``,
+    :mod:`.forked_ranks`) instead of starting each as a new interpreter, as the printed
+    command does, and forks the agent itself from this process's agent server
+    (:mod:`.agent_server`): no process of the job then pays the seconds of CPU that
+    importing torch costs; the script, its arguments, environment, logs and exit codes
+    are the same. ``fork_ranks=False`` or ``DDP_COURSE_FORK_RANKS=0`` starts new
+    interpreters (see :func:`.forked_ranks.enabled`); ``DDP_COURSE_AGENT_SERVER=0``
+    starts only the agent as one.
 
     Args:
         script: path of the Python script (relative to the current folder).
