@@ -49,6 +49,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -234,7 +235,12 @@ def _wait_for_agent(status: socket.socket, request: Mapping[str, Any], fds: Sequ
         pid = os.fork()
         if pid == 0:
             status.close()
-            _run_agent(request, fds)
+            try:
+                _run_agent(request, fds)  # leaves with os._exit, unless it raised first
+            except BaseException:
+                traceback.print_exc()  # e.g. the job's folder is gone: a failure, never 0
+            finally:
+                os._exit(1)
         for fd in fds:
             os.close(fd)
         _send(status, {"pid": pid})

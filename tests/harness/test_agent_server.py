@@ -92,3 +92,18 @@ def test_a_process_can_show_another_command_line(argv):
                           timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == repr(argv)
+
+
+def test_an_agent_that_cannot_start_fails_and_says_why(monkeypatch):
+    # The agent's folder is gone by the time it starts: it must fail, never exit 0.
+    server = agent_server.AgentServer({**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        command = [sys.executable, "-m", "ddp_course.harness.loopback", "--nproc_per_node=1",
+                   "no_such_script.py"]  # fmt: skip
+        monkeypatch.setattr(os, "getcwd", lambda: "/no/such/folder")
+        job = server.start(command, dict(os.environ))
+        monkeypatch.undo()
+        assert job.wait(timeout=60) == 1
+        assert "FileNotFoundError" in job.stdout.read()
+    finally:
+        server.close()
