@@ -2,7 +2,8 @@
 
 ``launch`` starts a script under torchrun or as one plain process from a notebook,
 a test or the shell (with :mod:`.jobs`, :mod:`.failures`, :mod:`.ports`,
-:mod:`.loopback`, :mod:`.forked_ranks` and :mod:`.agent_server` behind it);
+:mod:`.loopback`, :mod:`.forked_ranks`, :mod:`.agent_server` and :mod:`.agent_fork`
+behind it);
 ``multinode`` (its nodes' logs read back by :mod:`.multinode_logs`), ``netns`` and
 ``slurm`` (with :mod:`.slurm_install` and :mod:`.slurm_jobs`) launch jobs that span
 several nodes; ``cli`` is ``python -m ddp_course``; ``gpu_check`` runs the course on a

@@ -34,24 +34,17 @@ next job gets a new server. ``DDP_COURSE_AGENT_SERVER=0`` turns the server off
 from __future__ import annotations
 
 import atexit
-import ctypes
-import gc
-import importlib
 import io
-import json
 import os
-import resource
-import select
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
-import traceback
 from collections.abc import Mapping, Sequence
-from typing import Any
+
+from . import agent_fork
+from .jobs import no_core_files
 
 __all__ = [
     "RUNTIME_VARIABLES",
@@ -79,60 +72,13 @@ RUNTIME_VARIABLES = (
     "OMP_NUM_THREADS",
 )
 
-# What every agent imports before its first rank (its ranks add .forked_ranks.PRELOADED).
-_AGENT_MODULES = (
-    "torch.distributed.run",
-    "torch.distributed.elastic.rendezvous.c10d_rendezvous_backend",
-    "torch.distributed.elastic.rendezvous.static_tcp_rendezvous",
-    "ddp_course.harness.loopback",
-    "ddp_course.harness.forked_ranks",
-)
-
 _START_TIMEOUT_S = 120.0
-
-# Room the server reserves for its agents' command lines (see set_command_line); a
-# job whose agent's command is longer starts it as a new interpreter.
-COMMAND_LINE_BYTES = 4096
-_STAT = "/proc/self/stat"
-
-
-def set_command_line(argv: Sequence[str]) -> bool:
-    """Make this process's command line, as ``ps``, psutil and ``/proc/PID/cmdline``
-    show it, read ``argv``; returns False (and changes nothing) if it does not fit.
-
-    A forked agent is the server's copy, so its command line would be the server's;
-    the launcher's stack dumps, the tests and the lessons find a job's agent and ranks
-    by theirs. The kernel reads a command line from the memory where the process's
-    arguments were put at start (``arg_start`` to ``arg_end`` in ``/proc/self/stat``,
-    see ``man 5 proc``); writing there is how ``setproctitle`` changes it on Linux:
-    the arguments joined by spaces, which psutil splits again (separated by NULs when
-    an argument holds a space). The server starts with a padding argument of
-    :data:`COMMAND_LINE_BYTES` to make room. Ranks forked afterwards inherit the new
-    command line.
-    """
-    with open(_STAT, "rb") as f:
-        stat = f.read()
-    fields = stat[stat.rindex(b")") + 2 :].split()  # field 3 onwards
-    arg_start, arg_end = int(fields[48 - 3]), int(fields[49 - 3])
-    args = [os.fsencode(arg) for arg in argv]
-    if any(b" " in arg or b"\t" in arg or b"\n" in arg for arg in args):
-        data, fill = b"".join(arg + b"\0" for arg in args), b"\0"
-    else:
-        # Separated by spaces, then a NUL, then no NUL at the end: the kernel then shows
-        # only the first string, and psutil splits it at the spaces (as for setproctitle);
-        # NULs to the end would show thousands of empty arguments.
-        data, fill = b" ".join(args) + b"\0", b" "
-    size = arg_end - arg_start
-    if not arg_start or len(data) >= size:
-        return False
-    ctypes.memmove(arg_start, data.ljust(size, fill), size)
-    return True
 
 
 def enabled(env: Mapping[str, str]) -> bool:
     """Whether agents are forked from a server: ``DDP_COURSE_AGENT_SERVER`` in ``env``,
     else in this process's environment, ``"1"`` (the default) or ``"0"``; never where
-    the kernel has no ``/proc/self/stat`` (see :func:`set_command_line`).
+    the kernel has no ``/proc/self/stat`` (see :func:`.agent_fork.set_command_line`).
 
     Raises:
         ValueError: the variable is set to something other than ``"0"`` or ``"1"``.
@@ -141,7 +87,7 @@ def enabled(env: Mapping[str, str]) -> bool:
     if setting not in ("0", "1"):
         raise ValueError(f"{SERVER_ENV}={setting!r}: use 1 (fork the agents) or 0")
     # Without /proc (macOS) a forked agent cannot show its own command line.
-    return setting == "1" and os.path.exists(_STAT)
+    return setting == "1" and agent_fork.command_lines_settable()
 
 
 def servable(base: Mapping[str, str], job: Mapping[str, str]) -> bool:
@@ -150,149 +96,6 @@ def servable(base: Mapping[str, str], job: Mapping[str, str]) -> bool:
     keys = set(base) | set(job)
     differ = {k for k in keys if base.get(k) != job.get(k)}
     return all(k.startswith(RUNTIME_VARIABLES) for k in differ)
-
-
-def _send(sock: socket.socket, message: Mapping[str, Any], fds: Sequence[int] = ()) -> None:
-    data = json.dumps(message).encode() + b"\n"
-    if fds:
-        socket.send_fds(sock, [data], list(fds))
-    else:
-        sock.sendall(data)
-
-
-class _Lines:
-    """Newline-framed JSON messages read from a socket, with the descriptors that came
-    with them."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.buffer = b""
-        self.fds: list[int] = []
-
-    def ready(self, timeout_s: float | None) -> bool:
-        if b"\n" in self.buffer:
-            return True
-        readable, _, _ = select.select([self.sock], [], [], timeout_s)
-        return bool(readable)
-
-    def read(self) -> dict[str, Any] | None:
-        """The next message, or None at the end of the stream."""
-        while b"\n" not in self.buffer:
-            data, fds, _, _ = socket.recv_fds(self.sock, 1 << 16, 8)
-            self.fds += fds
-            if not data:
-                return None
-            self.buffer += data
-        line, self.buffer = self.buffer.split(b"\n", 1)
-        return json.loads(line)
-
-
-# ---------------------------------------------------------------- the server's side
-
-
-def _run_agent(request: Mapping[str, Any], fds: Sequence[int]) -> None:
-    """In the forked agent: take the job's streams, folder and environment, run the
-    agent as ``python -m ddp_course.harness.loopback ARGS`` would, and exit."""
-    os.setsid()  # a session of its own, as the launcher's Popen(start_new_session=True)
-    for target, fd in enumerate(fds[:3]):
-        os.dup2(fd, target)
-    for fd in fds:
-        os.close(fd)
-    os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update(request["env"])
-    set_command_line(request["command"])
-    atexit._clear()  # the server's own exit functions are not the agent's
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    from . import loopback
-
-    sys.argv = [loopback.__file__, *request["args"]]
-    code = 0
-    try:
-        loopback.main(request["args"])
-    except SystemExit as stop:
-        if stop.code is None or isinstance(stop.code, int):
-            code = stop.code or 0
-        else:
-            print(stop.code, file=sys.stderr)
-            code = 1
-    except BaseException:
-        sys.excepthook(*sys.exc_info())
-        code = 1
-    finally:
-        atexit._run_exitfuncs()
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-    os._exit(code)
-
-
-def _wait_for_agent(status: socket.socket, request: Mapping[str, Any], fds: Sequence[int]) -> None:
-    """In the forked waiter: fork the agent, report its pid, wait, report its exit."""
-    try:
-        pid = os.fork()
-        if pid == 0:
-            status.close()
-            try:
-                _run_agent(request, fds)  # leaves with os._exit, unless it raised first
-            except BaseException:
-                traceback.print_exc()  # e.g. the job's folder is gone: a failure, never 0
-            finally:
-                os._exit(1)
-        for fd in fds:
-            os.close(fd)
-        _send(status, {"pid": pid})
-        _, wait_status, usage = os.wait4(pid, 0)
-        _send(status, {"returncode": os.waitstatus_to_exitcode(wait_status),
-                       "cpu_s": usage.ru_utime + usage.ru_stime})  # fmt: skip
-    except OSError:
-        pass  # the launcher is gone: nobody to report to
-    finally:
-        os._exit(0)
-
-
-def serve(control: socket.socket) -> None:
-    """The server's loop: import what agents need, say ``ready``, then fork a waiter
-    per request until the launcher closes ``control``."""
-    from . import forked_ranks
-
-    # Importing torch._dynamo makes a cache folder in the temporary directory: make it
-    # in one of the server's own and remove that, so the server leaves nothing there
-    # (torch makes the folder again when something is saved in it).
-    tempfile.tempdir = tempfile.mkdtemp(prefix="ddp_course_agent_server_")
-    try:
-        for name in (*_AGENT_MODULES, *forked_ranks.PRELOADED):
-            importlib.import_module(name)
-    finally:
-        shutil.rmtree(tempfile.tempdir, ignore_errors=True)
-        tempfile.tempdir = None
-    gc.freeze()  # forked agents share these pages instead of copying them
-    set_command_line(sys.argv[:1] + ["-m", __spec__.name, sys.argv[1]])
-    _send(control, {"ready": os.getpid()})
-    requests = _Lines(control)
-    while True:
-        request = requests.read()
-        if request is None:
-            return
-        fds, requests.fds = requests.fds, []
-        status = socket.socket(fileno=fds.pop())
-        if os.fork() == 0:
-            control.close()
-            _wait_for_agent(status, request, fds)
-        status.close()
-        for fd in fds:
-            os.close(fd)
-        while True:  # reap waiters that have finished (each lives as long as its job)
-            try:
-                if os.waitpid(-1, os.WNOHANG)[0] == 0:
-                    break
-            except ChildProcessError:
-                break
-
-
-# ---------------------------------------------------------------- the launcher's side
 
 
 class ServedJob:
@@ -312,7 +115,7 @@ class ServedJob:
     served = True
 
     def __init__(self, status: socket.socket, stdout: io.TextIOBase, args: Sequence[str]) -> None:
-        self._status = _Lines(status)
+        self._status = agent_fork.Messages(status)
         self.stdout = stdout
         self.args = list(args)
         self.returncode: int | None = None
@@ -373,16 +176,16 @@ class AgentServer:
         self.env = dict(env)
         self._lock = threading.Lock()
         ours, theirs = socket.socketpair()
-        room = "-" * COMMAND_LINE_BYTES  # see set_command_line
+        room = "-" * agent_fork.COMMAND_LINE_BYTES  # see agent_fork.set_command_line
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "ddp_course.harness.agent_server", str(theirs.fileno()),
+            [sys.executable, "-m", "ddp_course.harness.agent_fork", str(theirs.fileno()),
              room],
             pass_fds=[theirs.fileno()], env=self.env, stdin=subprocess.DEVNULL,
-            start_new_session=True, preexec_fn=_no_core_files,
+            start_new_session=True, preexec_fn=no_core_files,
         )  # fmt: skip
         theirs.close()
         self._control = ours
-        ready = _Lines(ours)
+        ready = agent_fork.Messages(ours)
         if not ready.ready(_START_TIMEOUT_S) or ready.read() is None:
             self.close()
             raise OSError(
@@ -405,13 +208,13 @@ class AgentServer:
 
         Raises:
             ValueError: ``command`` is not that, or longer than
-                :data:`COMMAND_LINE_BYTES` (start it as a new interpreter instead).
+                :data:`.agent_fork.COMMAND_LINE_BYTES` (start it as a new interpreter instead).
             OSError: the server is gone.
         """
         command = list(command)
         if command[1:3] != ["-m", "ddp_course.harness.loopback"]:
             raise ValueError(f"not an agent's command: {command[:3]}")
-        if sum(len(os.fsencode(part)) + 1 for part in command) > COMMAND_LINE_BYTES:
+        if sum(len(os.fsencode(part)) + 1 for part in command) > agent_fork.COMMAND_LINE_BYTES:
             raise ValueError("the agent's command line is longer than the server's room")
         status, theirs = socket.socketpair()
         read_end, write_end = os.pipe()
@@ -420,7 +223,7 @@ class AgentServer:
         try:
             with open(os.devnull, "rb") as devnull, self._lock:
                 fds = [devnull.fileno(), write_end, write_end, theirs.fileno()]
-                _send(self._control, request, fds)
+                agent_fork.send(self._control, request, fds)
         except OSError:
             os.close(read_end)
             status.close()
@@ -473,12 +276,8 @@ class ServerSlot:
         sources = _harness_sources()
         with self._lock:
             server = self._server
-            if (
-                server is None
-                or not server.alive()
-                or server.env != dict(env)
-                or (sources != self._sources)
-            ):
+            stale = server is None or not server.alive() or server.env != dict(env)
+            if stale or sources != self._sources:
                 if server is not None:
                     server.close()
                 self._server, self._sources = None, sources
@@ -489,13 +288,5 @@ class ServerSlot:
 def _harness_sources() -> dict[str, float]:
     # An agent runs these from the server's memory: an edited file needs a new server.
     here = os.path.dirname(os.path.abspath(__file__))
-    names = ("agent_server.py", "forked_ranks.py", "loopback.py")
+    names = ("agent_fork.py", "forked_ranks.py", "loopback.py")
     return {name: os.stat(os.path.join(here, name)).st_mtime for name in names}
-
-
-def _no_core_files() -> None:
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-
-
-if __name__ == "__main__":
-    serve(socket.socket(fileno=int(sys.argv[1])))

@@ -26,6 +26,7 @@ __all__ = [
     "dump_python_stacks",
     "job_environment",
     "kill_job",
+    "no_core_files",
     "read_output",
     "shown_path",
     "start_job",
@@ -150,8 +151,9 @@ def wait_job(proc: Any, name: str, start: float, timeout_s: float, heartbeat: bo
                 )
 
 
-def _no_core_files() -> None:
-    # A rank aborted for its stack dump must not leave a core file behind.
+def no_core_files() -> None:
+    """``preexec_fn`` of a job's process: no core file (a rank aborted for its stack dump
+    must not leave one behind)."""
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
@@ -186,7 +188,7 @@ def start_job(
         text=True,
         errors="replace",
         start_new_session=True,  # a group of its own to signal
-        preexec_fn=_no_core_files,
+        preexec_fn=no_core_files,
     )
     return proc, *read_output(proc, echo, tag)
 

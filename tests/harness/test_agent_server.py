@@ -82,7 +82,7 @@ def test_the_server_leaves_with_its_launcher(workers):
 def test_a_process_can_show_another_command_line(argv):
     code = (
         "import sys, psutil\n"
-        "from ddp_course.harness.agent_server import set_command_line\n"
+        "from ddp_course.harness.agent_fork import set_command_line\n"
         f"assert set_command_line({argv!r})\n"
         "assert not set_command_line(['x' * 10000])\n"
         "print(repr([a for a in psutil.Process().cmdline() if a]))\n"
