@@ -108,11 +108,7 @@ class ServedJob:
         returncode: ``None`` while it runs; then its exit code, or ``-N`` after signal N.
         cpu_s: CPU seconds (user + system) of the agent and every rank it waited for,
             known once it has exited.
-        served: always True: the agent's command line is the server's, so its ranks
-            cannot be found by theirs (see :func:`.jobs.dump_python_stacks`).
     """
-
-    served = True
 
     def __init__(self, status: socket.socket, stdout: io.TextIOBase, args: Sequence[str]) -> None:
         self._status = agent_fork.Messages(status)
@@ -156,9 +152,6 @@ class ServedJob:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
 
 
 class AgentServer:
