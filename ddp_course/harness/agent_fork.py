@@ -14,7 +14,6 @@ from __future__ import annotations
 import atexit
 import ctypes
 import gc
-import importlib
 import json
 import os
 import select
@@ -27,8 +26,9 @@ import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["COMMAND_LINE_BYTES", "Messages", "command_lines_settable", "send", "serve",
-           "set_command_line"]  # fmt: skip
+__all__ = ["COMMAND_LINE_BYTES", "ENVIRONMENT_ROOM", "Messages", "command_lines_settable",
+           "environment_bytes", "send", "serve", "set_command_line",
+           "set_environment"]  # fmt: skip
 
 # What every agent imports before its first rank (its ranks add .forked_ranks.PRELOADED).
 _AGENT_MODULES = (
@@ -42,7 +42,19 @@ _AGENT_MODULES = (
 # Room the server reserves for its agents' command lines (see set_command_line); a
 # job whose agent's command is longer starts it as a new interpreter.
 COMMAND_LINE_BYTES = 4096
+# The variable whose value reserves room for the agents' environments (see
+# set_environment), and its size in bytes.
+ENVIRONMENT_ROOM = ("DDP_COURSE_AGENT_ENVIRONMENT_ROOM", 4096)
 _STAT = "/proc/self/stat"
+
+
+def _memory_area(first_field: int) -> tuple[int, int]:
+    # Fields first_field and first_field + 1 of /proc/self/stat (numbered from 1 as in
+    # man 5 proc): the start and end addresses of an area the kernel reads for /proc.
+    with open(_STAT, "rb") as f:
+        stat = f.read()
+    fields = stat[stat.rindex(b")") + 2 :].split()  # field 3 onwards
+    return int(fields[first_field - 3]), int(fields[first_field + 1 - 3])
 
 
 def set_command_line(argv: Sequence[str]) -> bool:
@@ -59,10 +71,7 @@ def set_command_line(argv: Sequence[str]) -> bool:
     :data:`COMMAND_LINE_BYTES` to make room. Ranks forked afterwards inherit the new
     command line.
     """
-    with open(_STAT, "rb") as f:
-        stat = f.read()
-    fields = stat[stat.rindex(b")") + 2 :].split()  # field 3 onwards
-    arg_start, arg_end = int(fields[48 - 3]), int(fields[49 - 3])
+    arg_start, arg_end = _memory_area(48)
     args = [os.fsencode(arg) for arg in argv]
     if any(b" " in arg or b"\t" in arg or b"\n" in arg for arg in args):
         data, fill = b"".join(arg + b"\0" for arg in args), b"\0"
@@ -75,6 +84,33 @@ def set_command_line(argv: Sequence[str]) -> bool:
     if not arg_start or len(data) >= size:
         return False
     ctypes.memmove(arg_start, data.ljust(size, fill), size)
+    return True
+
+
+def environment_bytes(env: Mapping[str, str]) -> int:
+    """Bytes of ``env`` as the kernel keeps a process's environment: ``KEY=VALUE\\0`` each."""
+    return sum(len(os.fsencode(k)) + len(os.fsencode(v)) + 2 for k, v in env.items())
+
+
+def set_environment(env: Mapping[str, str]) -> bool:
+    """Make this process's environment, as psutil's ``environ()`` and
+    ``/proc/PID/environ`` show it to other processes, read ``env``; returns False (and
+    changes nothing) if it does not fit.
+
+    ``os.environ`` is what this process and the processes it starts use; other
+    processes read the copy the kernel placed in memory at start (``env_start`` to
+    ``env_end`` in ``/proc/self/stat``). A forked agent's copy is the server's, so a rank
+    comparing its own environment with its agent's (lesson 03 lists what torchrun
+    adds) would count what the course's launcher set for the job as torchrun's. The
+    server starts with the variable :data:`ENVIRONMENT_ROOM` to make room; the rest of
+    the area is filled with NULs, where psutil stops reading.
+    """
+    env_start, env_end = _memory_area(50)
+    data = b"".join(os.fsencode(k) + b"=" + os.fsencode(v) + b"\0" for k, v in env.items())
+    size = env_end - env_start
+    if not env_start or len(data) >= size:
+        return False
+    ctypes.memmove(env_start, data.ljust(size, b"\0"), size)
     return True
 
 
@@ -130,6 +166,7 @@ def _run_agent(request: Mapping[str, Any], fds: Sequence[int]) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    set_environment(request["env"])
     set_command_line(request["command"])
     atexit._clear()  # the server's own exit functions are not the agent's
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -192,8 +229,7 @@ def serve(control: socket.socket) -> None:
     # (torch makes the folder again when something is saved in it).
     tempfile.tempdir = tempfile.mkdtemp(prefix="ddp_course_agent_server_")
     try:
-        for name in (*_AGENT_MODULES, *forked_ranks.PRELOADED):
-            importlib.import_module(name)
+        forked_ranks.preload((*_AGENT_MODULES, *forked_ranks.PRELOADED))
     finally:
         shutil.rmtree(tempfile.tempdir, ignore_errors=True)
         tempfile.tempdir = None

@@ -170,10 +170,13 @@ class AgentServer:
         self._lock = threading.Lock()
         ours, theirs = socket.socketpair()
         room = "-" * agent_fork.COMMAND_LINE_BYTES  # see agent_fork.set_command_line
+        name, size = agent_fork.ENVIRONMENT_ROOM  # see agent_fork.set_environment
+        self._environment_bytes = agent_fork.environment_bytes(self.env) + len(name) + size + 2
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "ddp_course.harness.agent_fork", str(theirs.fileno()),
              room],
-            pass_fds=[theirs.fileno()], env=self.env, stdin=subprocess.DEVNULL,
+            pass_fds=[theirs.fileno()], env={**self.env, name: "-" * size},
+            stdin=subprocess.DEVNULL,
             start_new_session=True, preexec_fn=no_core_files,
         )  # fmt: skip
         theirs.close()
@@ -201,7 +204,8 @@ class AgentServer:
 
         Raises:
             ValueError: ``command`` is not that, or longer than
-                :data:`.agent_fork.COMMAND_LINE_BYTES` (start it as a new interpreter instead).
+                :data:`.agent_fork.COMMAND_LINE_BYTES`, or ``env`` larger than the room the
+                server reserved for it (start it as a new interpreter instead).
             OSError: the server is gone.
         """
         command = list(command)
@@ -209,6 +213,8 @@ class AgentServer:
             raise ValueError(f"not an agent's command: {command[:3]}")
         if sum(len(os.fsencode(part)) + 1 for part in command) > agent_fork.COMMAND_LINE_BYTES:
             raise ValueError("the agent's command line is longer than the server's room")
+        if agent_fork.environment_bytes(env) >= self._environment_bytes:
+            raise ValueError("the agent's environment is larger than the server's room")
         status, theirs = socket.socketpair()
         read_end, write_end = os.pipe()
         request = {"command": command, "args": command[3:], "env": dict(env),

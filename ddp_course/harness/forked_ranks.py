@@ -39,7 +39,7 @@ import socket
 import stat
 import sys
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 __all__ = [
     "FORK_ENV",
@@ -47,6 +47,7 @@ __all__ = [
     "close_inherited_listeners",
     "enabled",
     "possible",
+    "preload",
     "prepare_agent",
     "rank_entrypoint",
 ]
@@ -110,10 +111,25 @@ def prepare_agent(tempdir: str | None) -> Callable[..., None]:
     imported so far out of the garbage collector's reach, so a rank's collections do
     not touch (and copy, page by page) the memory it shares with the agent.
     """
-    for name in PRELOADED:
-        importlib.import_module(name)
+    preload(PRELOADED)
     gc.freeze()
     return rank_entrypoint(tempdir)
+
+
+def preload(names: Iterable[str]) -> None:
+    """Import the modules ``names``, leaving ``os.environ`` as it was before.
+
+    Importing ``torch._dynamo`` sets ``TORCHINDUCTOR_CACHE_DIR`` in the environment. A
+    rank started as a new interpreter has not imported it when its script starts, so a
+    forked rank must not inherit the variable (lesson 03 lists what torchrun adds to a
+    rank's environment); torch sets it again when it needs the folder.
+    """
+    before = dict(os.environ)
+    for name in names:
+        importlib.import_module(name)
+    for key in set(os.environ) - set(before):
+        del os.environ[key]
+    os.environ.update({k: v for k, v in before.items() if os.environ.get(k) != v})
 
 
 def close_inherited_listeners() -> list[int]:

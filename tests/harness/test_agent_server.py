@@ -30,9 +30,17 @@ def test_a_served_agent_runs_the_job_as_a_new_agent_would(workers, tmp_path, mon
     assert {v.pop("agent_ancestors")[0] for v in plain} == {os.getpid()}
     for view in served + plain:
         view["argv"] = view["argv"][:2]  # the results files' names differ
+    added = (
+        [v.pop("added_since_agent") for v in served],
+        [v.pop("added_since_agent") for v in plain],
+    )
+    assert added[0] == added[1], set(added[0][0]) ^ set(added[1][0])
     assert served == plain
     assert served[0]["cwd"] == str(tmp_path) and served[0]["device_env"] == "cpu"
     assert served[0]["agent_command"] == {"loopback": True, "script": True}
+    # The job's variables are the agent's, as other processes read it: none "added" by it.
+    assert "DDP_COURSE_DEVICE" not in added[0][0]
+    assert {"RANK", "LOCAL_RANK", "WORLD_SIZE"} <= set(added[0][0])
     assert served[0]["preloaded_at_start"]
     # What the agent and its ranks used, reported by the server's waiter.
     assert served_job.cpu_s > 0 and plain_job.cpu_s is None

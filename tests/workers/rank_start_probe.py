@@ -20,6 +20,11 @@ import signal  # noqa: E402
 import tempfile  # noqa: E402
 
 import psutil  # noqa: E402
+
+# What lesson 03 lists as added by torchrun, read before this script imports torch: this
+# rank's variables that its agent's environment, as other processes read it, lacks.
+ADDED_SINCE_AGENT = sorted(set(os.environ) - set(psutil.Process().parent().environ()))
+
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
@@ -70,6 +75,7 @@ with distributed() as ctx:
         "device_env": os.environ.get("DDP_COURSE_DEVICE"),
         "cwd": os.getcwd(),
         "agent_command": _agent_command(),
+        "added_since_agent": ADDED_SINCE_AGENT,
         "agent_ancestors": [p.pid for p in psutil.Process().parent().parents()[:2]],
     }
     views = [None] * ctx.world_size
