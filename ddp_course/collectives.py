@@ -20,7 +20,9 @@ Everything here uses only ``isend``/``irecv`` (on NCCL inside one
 ``dist.batch_isend_irecv`` call, so that a send and a receive between the
 same two ranks do not wait for each other), so it runs on gloo (CPU
 tensors) and nccl (CUDA tensors). Without a process group (a plain
-``python script.py``) the world size is 1 and the functions return at once.
+``python script.py``) the world size is 1 and the functions return at once:
+:func:`group_rank_and_size`, the check every mechanism of the package makes
+before its collectives.
 
 The bytes each rank should move are in ``ddp_course.comm_cost``; the
 simulation of asynchronous parameter-server SGD is in ``ddp_course.parameter_server``.
@@ -33,10 +35,12 @@ import torch.distributed as dist
 
 from .comm_cost import CommStats
 from .partition import check_rank, partition
+from .runtime import require_group
 
 __all__ = [
     "OPS",
     "SEGMENT_BYTES",
+    "group_rank_and_size",
     "parameter_server_all_reduce",
     "ring_all_gather",
     "ring_all_reduce",
@@ -95,13 +99,54 @@ def _check_tensor(tensor: torch.Tensor, op: str | None = None) -> torch.Tensor:
     return tensor.view(-1)
 
 
-def _rank_and_size(group) -> tuple[int, int]:
+def group_rank_and_size(
+    group=None,
+    needed_for: str | None = None,
+    expected: tuple[int, int] | None = None,
+) -> tuple[int, int]:
+    """This process's rank in ``group`` and the group's size: the check before a collective.
+
+    Without a process group (a plain ``python script.py``) one process is a
+    world of one, ``(0, 1)``, unless ``needed_for`` says what cannot run
+    without one. Every mechanism of the package asks here (or, for the group
+    object itself, :func:`ddp_course.runtime.require_group`, whose message this
+    raises), so a job started the wrong way stops with what to do instead of
+    torch's "Default process group has not been initialized".
+
+    Args:
+        group: a process group, or None for the default (world) group.
+        needed_for: what needs a process group (e.g. ``"sequence parallelism"``);
+            None: run alone as ``(0, 1)``.
+        expected: the ``(rank, world_size)`` a caller was given (a layer built for
+            one rank of N); checked against ``group`` when a process group exists,
+            so one process may still build any rank's layer to test it.
+
+    Returns:
+        ``(rank, world_size)`` in ``group``.
+
+    Raises:
+        RuntimeError: no process group while ``needed_for`` is given: call
+            ``torch.distributed.init_process_group()`` or run under torchrun.
+        ValueError: this process is not a member of ``group`` (call it on the
+            group's ranks only), or ``expected`` differs from the group (pass
+            ``ctx.rank`` and ``ctx.world_size``).
+    """
+    if needed_for is not None:
+        require_group(group, needed_for)
     if not dist.is_initialized():
         return 0, 1
-    rank = dist.get_rank(group)
-    if rank < 0:
-        raise ValueError("this process is not a member of the group it was given")
-    return rank, dist.get_world_size(group)
+    actual = dist.get_rank(group), dist.get_world_size(group)
+    if actual[0] < 0:
+        raise ValueError(
+            "this process is not a member of the group it was given: call this on the "
+            "group's ranks only"
+        )
+    if expected is not None and tuple(expected) != actual:
+        raise ValueError(
+            f"rank={expected[0]}, world_size={expected[1]} do not match the process group "
+            f"(rank {actual[0]} of {actual[1]}): pass ctx.rank and ctx.world_size"
+        )
+    return actual
 
 
 def _combine(acc: torch.Tensor, incoming: torch.Tensor, op: str) -> None:
@@ -255,7 +300,7 @@ def ring_reduce_scatter(
             tensor, unsuitable ``scratch``, this rank not in ``group``.
     """
     flat = _check_tensor(tensor, op)
-    rank, size = _rank_and_size(group)
+    rank, size = group_rank_and_size(group)
     bounds = partition(flat.numel(), size)
     ex = _Exchanger(group, segment_bytes)
     if size > 1:
@@ -299,7 +344,7 @@ def ring_all_gather(
         ValueError: non-contiguous tensor, this rank not in ``group``.
     """
     flat = _check_tensor(tensor)
-    rank, size = _rank_and_size(group)
+    rank, size = group_rank_and_size(group)
     bounds = partition(flat.numel(), size)
     ex = _Exchanger(group, segment_bytes)
     right, left = (rank + 1) % size, (rank - 1) % size
@@ -382,7 +427,7 @@ def parameter_server_all_reduce(
             rank not in ``group``.
     """
     flat = _check_tensor(tensor, op)
-    rank, size = _rank_and_size(group)
+    rank, size = group_rank_and_size(group)
     check_rank(root, size, "root")
     ex = _Exchanger(group, segment_bytes)
     if size == 1:

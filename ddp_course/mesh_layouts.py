@@ -36,8 +36,9 @@ import copy
 import dataclasses
 
 import torch
-import torch.distributed as dist
 from torch import nn
+
+from .collectives import group_rank_and_size
 
 __all__ = [
     "DP_KINDS",
@@ -193,7 +194,7 @@ def build_mesh(lay: Layout, device_type: str):
     """
     from torch.distributed.device_mesh import init_device_mesh
 
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    _, world = group_rank_and_size()
     if world != lay.world_size:
         raise ValueError(
             f"layout {lay.name!r} has pp*dp*tp = {lay.world_size} ranks, the job has {world}"

@@ -183,7 +183,7 @@ def _labels_list(labels: Sequence[int] | torch.Tensor) -> list[int]:
     return values
 
 
-class StratifiedDistributedSampler(Sampler[int]):
+class StratifiedDistributedSampler(DistributedSampler):
     """Every rank gets the same mix of classes.
 
     Each epoch the indices of each class are shuffled (generator seeded
@@ -212,16 +212,8 @@ class StratifiedDistributedSampler(Sampler[int]):
         seed: int = 0,
         drop_last: bool = False,
     ):
-        _check_ranks(num_replicas, rank)
         self.labels = _labels_list(labels)
-        self.num_replicas, self.rank = num_replicas, rank
-        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
-        self.epoch = 0
-        self.num_samples = num_samples_per_rank(len(self.labels), num_replicas, drop_last)
-
-    def set_epoch(self, epoch: int) -> None:
-        """Use ``seed + epoch`` for the next iteration's shuffles."""
-        self.epoch = epoch
+        super().__init__(len(self.labels), num_replicas, rank, shuffle, seed, drop_last)
 
     def __iter__(self) -> Iterator[int]:
         gen = torch.Generator()
@@ -240,9 +232,6 @@ class StratifiedDistributedSampler(Sampler[int]):
         if self.shuffle:
             mine = [mine[j] for j in torch.randperm(len(mine), generator=gen)]
         return iter(mine)
-
-    def __len__(self) -> int:
-        return self.num_samples
 
 
 def class_balanced_weights(labels: Sequence[int] | torch.Tensor) -> torch.Tensor:

@@ -55,8 +55,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional
 
+from .collectives import group_rank_and_size
 from .parallel_rng import ParallelRNG, dropout_masks, region_seed
-from .runtime import require_group
 from .tensor_parallel import ColumnParallelLinear, ParallelAttention, ParallelFeedForward
 
 __all__ = [
@@ -76,11 +76,7 @@ __all__ = [
 ]
 
 SEQ_DIM = 1  # activations are [B, T, d]
-
-
-def _world(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    group = require_group(group, "sequence parallelism")
-    return dist.get_rank(group), dist.get_world_size(group)
+_NEEDS = "sequence parallelism"  # what group_rank_and_size says needs a process group
 
 
 def _check_seq(seq: int, world_size: int) -> None:
@@ -94,7 +90,7 @@ def _check_seq(seq: int, world_size: int) -> None:
 
 def _all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """[B, t, d] on each rank -> [B, N t, d], rank 0's positions first."""
-    _, n = _world(group)
+    _, n = group_rank_and_size(group, _NEEDS)
     # Ranks' tensors stacked along dimension 0: [N B, t, d], seen as [N, B, t, d].
     out = x.new_empty((n * x.shape[0], *x.shape[1:]))
     # all_gather_single (torch >= 2.13) is the new name of all_gather_into_tensor.
@@ -105,7 +101,7 @@ def _all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.T
 
 def _reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """[B, T, d] partial sums on each rank -> this rank's [B, T/N, d] of their sum."""
-    _, n = _world(group)
+    _, n = group_rank_and_size(group, _NEEDS)
     _check_seq(x.shape[SEQ_DIM], n)
     parts = x.unflatten(SEQ_DIM, (n, -1)).movedim(SEQ_DIM, 0).contiguous()  # [N, B, t, d]
     out = x.new_empty(parts.shape[1:])
@@ -115,7 +111,7 @@ def _reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup | None) -> tor
 
 
 def _my_part(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    rank, n = _world(group)
+    rank, n = group_rank_and_size(group, _NEEDS)
     _check_seq(x.shape[SEQ_DIM], n)
     return x.chunk(n, SEQ_DIM)[rank].contiguous()
 
@@ -161,26 +157,17 @@ class ReduceScatterToSequence(torch.autograd.Function):
         return _all_gather_seq(grad, ctx.group), None
 
 
-class _ScatterToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-        ctx.group = group
-        return _my_part(x, group)
+class _Conjugate(torch.autograd.Function):
+    """``forward(x, group)`` forward, ``backward(grad, group)`` backward: g's pattern, any pair."""
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _all_gather_seq(grad, ctx.group), None
-
-
-class _GatherToReplicated(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-        ctx.group = group
-        return _all_gather_seq(x, group)
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None, forward, backward):
+        ctx.group, ctx.backward = group, backward
+        return forward(x, group)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _my_part(grad, ctx.group), None
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return ctx.backward(grad, ctx.group), None, None, None
 
 
 def gather_from_sequence(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -189,7 +176,7 @@ def gather_from_sequence(x: torch.Tensor, group: dist.ProcessGroup | None = None
     Raises:
         RuntimeError: no process group has been created.
     """
-    _world(group)
+    group_rank_and_size(group, _NEEDS)
     return GatherFromSequence.apply(x, group)
 
 
@@ -204,7 +191,7 @@ def reduce_scatter_to_sequence(
         ValueError: T not divisible by the world size.
         RuntimeError: no process group has been created.
     """
-    _check_seq(x.shape[SEQ_DIM], _world(group)[1])
+    _check_seq(x.shape[SEQ_DIM], group_rank_and_size(group, _NEEDS)[1])
     return ReduceScatterToSequence.apply(x, group)
 
 
@@ -219,8 +206,8 @@ def scatter_to_sequence(x: torch.Tensor, group: dist.ProcessGroup | None = None)
         ValueError: T not divisible by the world size.
         RuntimeError: no process group has been created.
     """
-    _check_seq(x.shape[SEQ_DIM], _world(group)[1])
-    return _ScatterToSequence.apply(x, group)
+    _check_seq(x.shape[SEQ_DIM], group_rank_and_size(group, _NEEDS)[1])
+    return _Conjugate.apply(x, group, _my_part, _all_gather_seq)
 
 
 def gather_to_replicated(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -233,8 +220,8 @@ def gather_to_replicated(x: torch.Tensor, group: dist.ProcessGroup | None = None
     Raises:
         RuntimeError: no process group has been created.
     """
-    _world(group)
-    return _GatherToReplicated.apply(x, group)
+    group_rank_and_size(group, _NEEDS)
+    return _Conjugate.apply(x, group, _all_gather_seq, _my_part)
 
 
 class GatherLinear(torch.autograd.Function):
@@ -287,7 +274,7 @@ def gather_linear(
     Raises:
         RuntimeError: no process group has been created.
     """
-    _world(group)
+    group_rank_and_size(group, _NEEDS)
     params = [t for layer in layers for t in (layer.weight, layer.bias)]
     return GatherLinear.apply(x, group, *params)
 

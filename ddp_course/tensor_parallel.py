@@ -55,10 +55,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional
 
+from .collectives import group_rank_and_size
 from .models import FeedForward
 from .parallel_rng import ParallelRNG, region_seed
 from .partition import check_rank, partition
-from .runtime import require_group
 
 __all__ = [
     "ColumnParallelLinear",
@@ -142,7 +142,7 @@ def copy_to_parallel(x: torch.Tensor, group: dist.ProcessGroup | None = None) ->
     Raises:
         RuntimeError: no process group has been created.
     """
-    require_group(group, "tensor parallelism with more than one rank")
+    group_rank_and_size(group, "tensor parallelism with more than one rank")
     return CopyToParallel.apply(x, group)
 
 
@@ -159,21 +159,43 @@ def reduce_from_parallel(x: torch.Tensor, group: dist.ProcessGroup | None = None
     Raises:
         RuntimeError: no process group has been created.
     """
-    require_group(group, "tensor parallelism with more than one rank")
+    group_rank_and_size(group, "tensor parallelism with more than one rank")
     return ReduceFromParallel.apply(x, group)
 
 
-def _check_group(rank: int, world_size: int, group: dist.ProcessGroup | None) -> None:
-    if dist.is_available() and dist.is_initialized():
-        actual = (dist.get_rank(group), dist.get_world_size(group))
-        if actual != (rank, world_size):
-            raise ValueError(
-                f"rank={rank}, world_size={world_size} do not match the process group "
-                f"(rank {actual[0]} of {actual[1]}): pass ctx.rank and ctx.world_size"
-            )
+class _ShardedLinear(nn.Module):
+    """One rank's shard of a whole ``nn.Linear``, split along the weight's ``split_dim``.
+
+    What :class:`ColumnParallelLinear` (``split_dim = 0``) and
+    :class:`RowParallelLinear` (``split_dim = 1``) share; their docstrings give
+    the arguments.
+    """
+
+    split_dim: int
+
+    def __init__(
+        self,
+        full: nn.Linear,
+        rank: int,
+        world_size: int,
+        group: dist.ProcessGroup | None = None,
+    ):
+        super().__init__()
+        check_rank(rank, world_size)
+        name = ("out_features", "in_features")[self.split_dim]
+        start, stop = partition(full.weight.shape[self.split_dim], world_size, "even", name)[rank]
+        group_rank_and_size(group, expected=(rank, world_size))
+        self.in_features, self.out_features = full.in_features, full.out_features
+        self.rank, self.world_size, self.group = rank, world_size, group
+        weight = full.weight.detach().narrow(self.split_dim, start, stop - start)
+        self.weight = nn.Parameter(weight.clone())
+        bias = full.bias
+        if bias is not None and self.split_dim == 0:
+            bias = bias[start:stop]  # a row-parallel layer adds its whole bias once, after g
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone())
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(_ShardedLinear):
     """A linear layer whose output features are split over ranks (Megatron-LM's ``A``).
 
     Rank r keeps rows ``partition(out_features, N, "even")[r]`` of the whole
@@ -195,21 +217,7 @@ class ColumnParallelLinear(nn.Module):
             world_size not those of the process group.
     """
 
-    def __init__(
-        self,
-        full: nn.Linear,
-        rank: int,
-        world_size: int,
-        group: dist.ProcessGroup | None = None,
-    ):
-        super().__init__()
-        check_rank(rank, world_size)
-        rows = slice(*partition(full.out_features, world_size, "even", "out_features")[rank])
-        _check_group(rank, world_size, group)
-        self.in_features, self.out_features = full.in_features, full.out_features
-        self.rank, self.world_size, self.group = rank, world_size, group
-        self.weight = nn.Parameter(full.weight.detach()[rows].clone())
-        self.bias = None if full.bias is None else nn.Parameter(full.bias.detach()[rows].clone())
+    split_dim = 0  # rows of the weight: output features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
@@ -228,7 +236,7 @@ class ColumnParallelLinear(nn.Module):
         )
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ShardedLinear):
     """A linear layer whose input features are split over ranks (Megatron-LM's ``B``).
 
     Rank r keeps columns ``partition(in_features, N, "even")[r]`` of the whole
@@ -241,32 +249,14 @@ class RowParallelLinear(nn.Module):
     backward; the bias gradient is the same on every rank.
 
     Args:
-        full: the whole layer, ``weight [out, in]``, optional ``bias [out]``;
-            its values are copied, not shared.
-        rank: this rank in the tensor-parallel group.
-        world_size: number of tensor-parallel ranks N.
-        group: the tensor-parallel process group (default: the whole job).
+        full, rank, world_size, group: as :class:`ColumnParallelLinear`.
 
     Raises:
         ValueError: ``in_features`` not divisible by N, or rank and
             world_size not those of the process group.
     """
 
-    def __init__(
-        self,
-        full: nn.Linear,
-        rank: int,
-        world_size: int,
-        group: dist.ProcessGroup | None = None,
-    ):
-        super().__init__()
-        check_rank(rank, world_size)
-        cols = slice(*partition(full.in_features, world_size, "even", "in_features")[rank])
-        _check_group(rank, world_size, group)
-        self.in_features, self.out_features = full.in_features, full.out_features
-        self.rank, self.world_size, self.group = rank, world_size, group
-        self.weight = nn.Parameter(full.weight.detach()[:, cols].clone())
-        self.bias = None if full.bias is None else nn.Parameter(full.bias.detach().clone())
+    split_dim = 1  # columns of the weight: input features
 
     def forward(self, x_shard: torch.Tensor) -> torch.Tensor:
         if x_shard.shape[-1] != self.weight.shape[1]:
@@ -475,7 +465,7 @@ def gather_shards(
     Raises:
         RuntimeError: no process group has been created.
     """
-    require_group(group, "tensor parallelism with more than one rank")
+    group_rank_and_size(group, "tensor parallelism with more than one rank")
     parts = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, shard.contiguous(), group=group)
     return torch.cat(parts, dim=dim)

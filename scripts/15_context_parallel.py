@@ -396,7 +396,7 @@ def main():
         result = {
             "world_size": n, "device": str(ctx.device), "local_shape": local_shape,
             "diffs": diffs, "mistakes": mistakes, "counts": everyone,
-            "formulas": {"ring": cp.ring_bytes(local_shape, 4, n),
+            "formulas": {"ring": cp.ring_attention_bytes(local_shape, 4, n),
                          "ulysses": cp.ulysses_bytes(local_shape, 4, n),
                          "ring backward": cp.ring_backward_bytes(local_shape, 4, n),
                          "ulysses backward": cp.ulysses_backward_bytes(local_shape, 4, n)},

@@ -29,14 +29,14 @@ values. Three ways are written from scratch:
 One concern per module; everything public is importable from here:
 
 - :mod:`.placement`: which tokens each rank holds and which keys a query sees
-  (``LAYOUTS``, :func:`sequence_segments`, :func:`sequence_positions`,
+  (``PLACEMENTS``, :func:`sequence_segments`, :func:`sequence_positions`,
   :func:`shard_sequence`, :func:`attention_mask`, :func:`check_qkv`);
 - :mod:`.blockwise`: the arithmetic of one block (:func:`block_attention`,
   :func:`merge_partials`, :func:`block_attention_backward`), the whole forward in
   one process (:func:`blockwise_attention`) and the one-process reference
   (:func:`reference_attention`);
 - :mod:`.schedule`: the blocks each rank computes at each ring step
-  (:class:`Block`, :func:`ring_schedule`);
+  (:class:`Tile`, :func:`ring_attention_schedule`);
 - :mod:`.ring`: the ring itself (:class:`RingPass`, :class:`RingAttention`,
   :func:`ring_attention`, :func:`accumulator_dtype`) and :class:`RingOps`, the
   pieces it calls, to pass others that count the blocks, log the passes or make
@@ -45,7 +45,7 @@ One concern per module; everything public is importable from here:
   (:func:`ulysses_bytes`, :func:`ulysses_backward_bytes`);
 - :mod:`.cost`: the ring's work, bytes sent and bytes saved per rank
   (:func:`ring_work`, :func:`ring_step_work`, :func:`load_balance`,
-  :func:`ring_bytes`, :func:`ring_backward_bytes`, :func:`ring_saved_bytes`) and
+  :func:`ring_attention_bytes`, :func:`ring_backward_bytes`, :func:`ring_saved_bytes`) and
   the alpha-beta times of the ring and Ulysses (:func:`ring_comm_time`,
   :func:`ulysses_comm_time`, :func:`ring_ulysses_crossover`);
 - :mod:`.gpt`: TinyGPT on a context-parallel group (:class:`ContextParallelGPT`,
@@ -61,8 +61,8 @@ from .blockwise import (
 )
 from .cost import (
     load_balance,
+    ring_attention_bytes,
     ring_backward_bytes,
-    ring_bytes,
     ring_comm_time,
     ring_saved_bytes,
     ring_step_work,
@@ -72,7 +72,7 @@ from .cost import (
 )
 from .gpt import ContextParallelCore, ContextParallelGPT, context_parallel_loss, reduce_gradients
 from .placement import (
-    LAYOUTS,
+    PLACEMENTS,
     attention_mask,
     check_qkv,
     sequence_positions,
@@ -80,7 +80,7 @@ from .placement import (
     shard_sequence,
 )
 from .ring import RingAttention, RingOps, RingPass, accumulator_dtype, ring_attention
-from .schedule import Block, ring_schedule
+from .schedule import Tile, ring_attention_schedule
 from .ulysses import (
     GatherSequence,
     HeadsToSeq,
@@ -93,8 +93,8 @@ from .ulysses import (
 )
 
 __all__ = [
-    "LAYOUTS",
-    "Block",
+    "PLACEMENTS",
+    "Tile",
     "ContextParallelCore",
     "ContextParallelGPT",
     "GatherSequence",
@@ -118,10 +118,10 @@ __all__ = [
     "reference_attention",
     "ring_attention",
     "ring_backward_bytes",
-    "ring_bytes",
+    "ring_attention_bytes",
     "ring_comm_time",
     "ring_saved_bytes",
-    "ring_schedule",
+    "ring_attention_schedule",
     "ring_step_work",
     "ring_ulysses_crossover",
     "ring_work",

@@ -1,10 +1,10 @@
 """What ring attention computes and sends, rank by rank (notebook 15).
 
 The accounting of ring attention (:mod:`.ring`): the work each rank
-computes, counted by walking :func:`~.schedule.ring_schedule`
+computes, counted by walking :func:`~.schedule.ring_attention_schedule`
 (the schedule the forward and backward run, so no formula), what an uneven
 split costs (:func:`load_balance`), the bytes each rank sends
-(:func:`ring_bytes` forward, :func:`ring_backward_bytes` backward) and saves
+(:func:`ring_attention_bytes` forward, :func:`ring_backward_bytes` backward) and saves
 for backward (:func:`ring_saved_bytes`), and, in the alpha-beta model, how long
 the ring and Ulysses communicate (:func:`ring_comm_time`,
 :func:`ulysses_comm_time`) and where one overtakes the other
@@ -17,12 +17,12 @@ import math
 
 import torch
 
-from .schedule import ring_schedule
+from .schedule import ring_attention_schedule
 
 __all__ = [
     "load_balance",
     "ring_backward_bytes",
-    "ring_bytes",
+    "ring_attention_bytes",
     "ring_comm_time",
     "ring_saved_bytes",
     "ring_step_work",
@@ -39,7 +39,7 @@ def ring_work(
     causal: bool = True,
     document_ids: torch.Tensor | None = None,
 ) -> list[dict[str, int]]:
-    """Work per rank, counted by walking :func:`ring_schedule` (no formula).
+    """Work per rank, counted by walking :func:`ring_attention_schedule` (no formula).
 
     Returns:
         One dict per rank: ``blocks`` (products computed), ``pairs`` (query-key
@@ -47,35 +47,35 @@ def ring_work(
     """
     work = []
     for rank in range(world_size):
-        blocks = list(ring_schedule(rank, world_size, t_local, layout, causal, document_ids))
+        tiles = list(
+            ring_attention_schedule(rank, world_size, t_local, layout, causal, document_ids)
+        )
         work.append({
-            "blocks": len(blocks),
-            "pairs": sum(_pairs(b) for b in blocks),
-            "visible": sum(_visible(b) for b in blocks),
+            "blocks": len(tiles),
+            "pairs": sum(_pairs(t) for t in tiles),
+            "visible": sum(_visible(t) for t in tiles),
         })  # fmt: skip
     return work
 
 
-def _pairs(block) -> int:
-    return (block.q.stop - block.q.start) * (block.kv.stop - block.kv.start)
+def _pairs(tile) -> int:
+    return (tile.q.stop - tile.q.start) * (tile.kv.stop - tile.kv.start)
 
 
-def _visible(block) -> int:
-    return _pairs(block) if block.mask is None else int(block.mask.sum())
+def _visible(tile) -> int:
+    return _pairs(tile) if tile.mask is None else int(tile.mask.sum())
 
 
-def ring_step_work(
-    world_size: int,
-    t_local: int,
-    layout: str = "contiguous",
-    causal: bool = True,
-    document_ids: torch.Tensor | None = None,
-) -> list[list[int]]:
-    """Visible query-key pairs per rank and ring step, ``[rank][step]`` (:func:`ring_schedule`)."""
+def ring_step_work(world_size: int, t_local: int, *args, **kwargs) -> list[list[int]]:
+    """Visible query-key pairs per rank and ring step, ``[rank][step]``.
+
+    Walks :func:`ring_attention_schedule` as :func:`ring_work` does; ``args``
+    and ``kwargs`` (``layout``, ``causal``, ``document_ids``) as there.
+    """
     grid = [[0] * world_size for _ in range(world_size)]
     for rank in range(world_size):
-        for b in ring_schedule(rank, world_size, t_local, layout, causal, document_ids):
-            grid[rank][b.step] += _visible(b)
+        for tile in ring_attention_schedule(rank, world_size, t_local, *args, **kwargs):
+            grid[rank][tile.step] += _visible(tile)
     return grid
 
 
@@ -101,7 +101,7 @@ def load_balance(step_work: list[list[int]]) -> dict[str, float]:
     }
 
 
-def ring_bytes(shape: tuple[int, ...], element_size: int, world_size: int) -> int:
+def ring_attention_bytes(shape: tuple[int, ...], element_size: int, world_size: int) -> int:
     """Bytes one rank sends in ring attention's forward: 2 (P-1) chunks (K and V).
 
     ``shape`` is the local ``[B, H, T_local, D]``; ``element_size`` in bytes.

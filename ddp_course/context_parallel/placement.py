@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-LAYOUTS = ("contiguous", "zigzag")
+PLACEMENTS = ("contiguous", "zigzag")
 
 
 def sequence_segments(
@@ -35,8 +35,8 @@ def sequence_segments(
     Raises:
         ValueError: an unknown layout, or zigzag with an odd ``t_local``.
     """
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout not in PLACEMENTS:
+        raise ValueError(f"layout must be one of {PLACEMENTS}, got {layout!r}")
     if layout == "contiguous":
         return [(rank * t_local, t_local)]
     if t_local % 2:

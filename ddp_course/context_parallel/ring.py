@@ -9,7 +9,7 @@ posted before the current chunk's compute and waited for after it
 log-sum-exp (:func:`~.blockwise.merge_partials`). The backward pass sends the
 keys and values around again with their gradient accumulators, which come home
 after a full turn (FlashAttention-2's backward, Dao 2023, algorithm 2, one block
-at a time). The blocks each rank computes are :func:`~.schedule.ring_schedule`'s.
+at a time). The blocks each rank computes are :func:`~.schedule.ring_attention_schedule`'s.
 
 :class:`RingOps` names the pieces the ring calls; pass another to count the
 block products, log the passes, or make a mistake on purpose and see a check
@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from .blockwise import block_attention, block_attention_backward, merge_partials
 from .placement import check_qkv, sequence_segments
-from .schedule import Block, ring_schedule
+from .schedule import Tile, ring_attention_schedule
 
 
 def _group_info(group) -> tuple[int, int]:
@@ -93,7 +93,7 @@ class RingOps:
             and waits for it (``.wait()``), as :class:`RingPass`.
         segments: the runs each rank holds, as
             :func:`~.placement.sequence_segments` (passed to
-            :func:`~.schedule.ring_schedule`).
+            :func:`~.schedule.ring_attention_schedule`).
     """
 
     block: Callable = block_attention
@@ -103,9 +103,9 @@ class RingOps:
     segments: Callable = sequence_segments
 
 
-def _blocks_by_step(rank, size, t_local, layout, causal, doc, segments) -> list[list[Block]]:
-    steps: list[list[Block]] = [[] for _ in range(size)]
-    for block in ring_schedule(rank, size, t_local, layout, causal, doc, segments):
+def _blocks_by_step(rank, size, t_local, layout, causal, doc, segments) -> list[list[Tile]]:
+    steps: list[list[Tile]] = [[] for _ in range(size)]
+    for block in ring_attention_schedule(rank, size, t_local, layout, causal, doc, segments):
         steps[block.step].append(block)
     return steps
 
@@ -203,7 +203,7 @@ def ring_attention(
     Equal (forward and gradients of q, k, v) to ``scaled_dot_product_attention``
     on the whole sequence, for this rank's queries. Forward: P-1 ring steps,
     each sending this rank's current K and V chunk to the next rank, so every
-    rank sends ``2 (P-1) B H T_local D`` elements (:func:`~.cost.ring_bytes`).
+    rank sends ``2 (P-1) B H T_local D`` elements (:func:`~.cost.ring_attention_bytes`).
     Backward: P-1 passes of K and V, and P of their gradient accumulators (the
     last brings them home): :func:`~.cost.ring_backward_bytes`. Each pass is posted
     before the current step's blocks are computed and waited for after them,

@@ -1,8 +1,8 @@
 """Which blocks ring attention computes on each rank, step by step (notebook 15).
 
 At ring step s rank r holds the keys and values of rank ``(r - s) mod P``; a
-(query run, key run) pair is a :class:`Block` unless the mask hides all of it.
-:func:`ring_schedule` lists them: :mod:`.ring` runs exactly this, forward and
+(query run, key run) pair is a :class:`Tile` unless the mask hides all of it.
+:func:`ring_attention_schedule` lists them: :mod:`.ring` runs exactly this, forward and
 backward, and :mod:`.cost` counts it, so the work per rank is read from the
 schedule the ring runs, not from a formula.
 """
@@ -18,8 +18,8 @@ from .placement import attention_mask, sequence_segments
 
 
 @dataclass(frozen=True)
-class Block:
-    """One product a rank computes at one ring step.
+class Tile:
+    """One tile of the attention matrix (a run of queries by a run of keys) at one ring step.
 
     Attributes:
         step: ring step (0 = its own keys).
@@ -36,7 +36,7 @@ class Block:
     mask: torch.Tensor | None
 
 
-def ring_schedule(
+def ring_attention_schedule(
     rank: int,
     world_size: int,
     t_local: int,
@@ -44,7 +44,7 @@ def ring_schedule(
     causal: bool = True,
     document_ids: torch.Tensor | None = None,
     segments: Callable[[int, int, int, str], list[tuple[int, int]]] = sequence_segments,
-) -> Iterator[Block]:
+) -> Iterator[Tile]:
     """The blocks ring attention computes on ``rank``, in order; fully masked ones are skipped.
 
     At step s rank r holds the keys and values of rank ``(r - s) mod P``. Both
@@ -76,7 +76,7 @@ def ring_schedule(
                 kv_pos = torch.arange(kv_start, kv_start + kv_len)
                 mask = attention_mask(q_pos, kv_pos, causal, document_ids)
                 if mask is None or bool(mask.any()):
-                    yield Block(step, source, slice(q_off, q_off + q_len),
+                    yield Tile(step, source, slice(q_off, q_off + q_len),
                                 slice(kv_off, kv_off + kv_len), mask)  # fmt: skip
                 kv_off += kv_len
             q_off += q_len

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..collectives import group_rank_and_size
 from .schedules import Schedule, check_schedule
 from .simulation import Event, Timeline, simulate
 
@@ -313,8 +314,9 @@ def run_schedule(
 
 def gather_timeline(result: StepResult) -> Timeline:
     """Every rank's events in one :class:`Timeline` (a collective: call it on all ranks)."""
-    if not dist.is_initialized():
+    _, world = group_rank_and_size()
+    if world == 1:
         return Timeline(tuple(result.events))
-    gathered: list = [None] * dist.get_world_size()
+    gathered: list = [None] * world
     dist.all_gather_object(gathered, result.events)
     return Timeline(tuple(e for events in gathered for e in events))

@@ -74,17 +74,8 @@ def gpipe_schedule(stages: int, microbatches: int) -> Schedule:
     """GPipe (Huang et al., NeurIPS 2019): all forwards, then all backwards.
 
     Every rank runs F0 ... F(m-1) then B0 ... B(m-1) (backwards in forward
-    order, like ``torch.distributed.pipelining.ScheduleGPipe``).
-
-    Args:
-        stages: number of stages p (= ranks), >= 1.
-        microbatches: number of micro-batches m, >= 1.
-
-    Returns:
-        p lists (rank 0 first) of 2m actions each.
-
-    Raises:
-        ValueError: p < 1 or m < 1.
+    order, like ``torch.distributed.pipelining.ScheduleGPipe``). Arguments,
+    result and errors as :func:`naive_schedule`'s.
     """
     _check_sizes(stages, microbatches)
     order = [Action("F", i) for i in range(microbatches)]

@@ -344,40 +344,35 @@ def test_check_a_flags_the_old_exercise_3_ring():
     assert "(string at line 2)" in found[0].where
 
 
-@pytest.mark.parametrize(
-    "code, flagged",
-    [
-        # The fix: both calls named in P2POp, posted by batch_isend_irecv.
-        (
-            "ops = [dist.P2POp(dist.irecv, a, 0), dist.P2POp(dist.isend, b, 1)]\n"
-            "for w in dist.batch_isend_irecv(ops):\n    w.wait()\n",
-            False,
-        ),
-        # Waited at once: blocking calls (lesson 03's isend demo beside its ordered ring).
-        ("dist.isend(t, 1).wait()\ndist.recv(t, 1)\n", False),
-        # One way, by rank: never a pair on one rank.
-        ("if rank == 0:\n    dist.isend(t, 1).wait()\nelse:\n    dist.irecv(t, 0).wait()\n", False),
-        # Two blocking calls: lesson 03's ordered ring, gloo deadlocks alike.
-        ("dist.send(t, 1)\ndist.recv(t, 0)\n", False),
-        # A blocking send, then a one-way irecv later on (lesson 03's demos).
-        ("dist.send(t, 1)\nw = dist.irecv(t, 0)\n", False),
-        # An irecv, then a blocking send: queued behind the receive on nccl.
-        ("w = dist.irecv(t, 0)\ndist.send(t, 1)\nw.wait()\n", True),
-        # A non-blocking send and a blocking receive (lesson 08's executor as it was).
-        ("w = dist.isend(t, 1)\ndist.recv(r, 1)\nw.wait()\n", True),
-        # ... even when each sits in a helper of its own.
-        (
-            "def _send(t, p):\n    return dist.isend(t, p)\n"
-            "def _recv(t, p):\n    torch.distributed.recv(t, p)\n"
-            "def step(t, r):\n    w = _send(t, 1)\n    _recv(r, 1)\n",
-            True,
-        ),
-        # Branches by rank around a pair on each side: still a pair on each rank.
-        ("if rank:\n    dist.irecv(a, 0)\n    dist.isend(b, 0)\n", True),
-    ],
-)
-def test_check_a_rule(code, flagged):
-    assert bool(unbatched_pairs(Source("example", code))) is flagged
+CHECK_A_CASES = [
+    # The fix: both calls named in P2POp, posted by batch_isend_irecv.
+    (
+        "ops = [dist.P2POp(dist.irecv, a, 0), dist.P2POp(dist.isend, b, 1)]\n"
+        "for w in dist.batch_isend_irecv(ops):\n    w.wait()\n",
+        False,
+    ),
+    # Waited at once: blocking calls (lesson 03's isend demo beside its ordered ring).
+    ("dist.isend(t, 1).wait()\ndist.recv(t, 1)\n", False),
+    # One way, by rank: never a pair on one rank.
+    ("if rank == 0:\n    dist.isend(t, 1).wait()\nelse:\n    dist.irecv(t, 0).wait()\n", False),
+    # Two blocking calls: lesson 03's ordered ring, gloo deadlocks alike.
+    ("dist.send(t, 1)\ndist.recv(t, 0)\n", False),
+    # A blocking send, then a one-way irecv later on (lesson 03's demos).
+    ("dist.send(t, 1)\nw = dist.irecv(t, 0)\n", False),
+    # An irecv, then a blocking send: queued behind the receive on nccl.
+    ("w = dist.irecv(t, 0)\ndist.send(t, 1)\nw.wait()\n", True),
+    # A non-blocking send and a blocking receive (lesson 08's executor as it was).
+    ("w = dist.isend(t, 1)\ndist.recv(r, 1)\nw.wait()\n", True),
+    # ... even when each sits in a helper of its own.
+    (
+        "def _send(t, p):\n    return dist.isend(t, p)\n"
+        "def _recv(t, p):\n    torch.distributed.recv(t, p)\n"
+        "def step(t, r):\n    w = _send(t, 1)\n    _recv(r, 1)\n",
+        True,
+    ),
+    # Branches by rank around a pair on each side: still a pair on each rank.
+    ("if rank:\n    dist.irecv(a, 0)\n    dist.isend(b, 0)\n", True),
+]
 
 
 def test_check_a_sees_a_pair_split_over_helpers_once():
@@ -390,19 +385,28 @@ def test_check_a_sees_a_pair_split_over_helpers_once():
     assert [f.function for f in unbatched_pairs(Source("example", code))] == ["step"]
 
 
-def test_no_unbatched_point_to_point_pair_that_can_run_on_nccl():
-    flagged, allowed = [], set()
+def found_beyond(check, allowed: dict, name: str, package: bool = True) -> list[str]:
+    """What ``check`` finds in every source (the package's too when ``package``), less the
+    ``(where, function)`` keys of ``allowed`` (named ``name``), each of which it must find."""
+    flagged, seen = [], set()
     for source in all_sources():
-        for found in unbatched_pairs(source):
+        if source.is_package and not package:
+            continue
+        for found in check(source):
             key = (found.where, found.function)
-            if key in GLOO_ONLY:
-                allowed.add(key)
+            if key in allowed:
+                seen.add(key)
             else:
                 flagged.append(str(found))
+    assert seen == set(allowed), f"stale {name} entries: {set(allowed) - seen}"
+    return flagged
+
+
+def test_no_unbatched_point_to_point_pair_that_can_run_on_nccl():
+    flagged = found_beyond(unbatched_pairs, GLOO_ONLY, "GLOO_ONLY")
     assert not flagged, "use dist.batch_isend_irecv (see the module docstring):\n" + "\n".join(
         flagged
     )
-    assert allowed == set(GLOO_ONLY), f"stale GLOO_ONLY entries: {set(GLOO_ONLY) - allowed}"
 
 
 # -------------------------------------------------------------- check B
@@ -537,47 +541,40 @@ def test_check_b_flags_the_old_15_moe():
     ], found
 
 
+CHECK_B_CASES = [
+    ("t = torch.tensor(1.0, device=ctx.device)\ndist.all_reduce(t)\n", False),
+    ("t = torch.zeros(3)\nt = t.to(ctx.device)\ndist.all_reduce(t)\n", False),
+    ("t = torch.zeros(3)\ndist.all_reduce(t.to(dev))\n", False),
+    ("t = torch.zeros(3)\ndist.all_gather_object(out, t)\n", False),
+    ("t = torch.ones(3)\ndist.broadcast(t, src=0)\n", True),
+    (
+        "out = [torch.empty(2) for _ in range(2)]\nt = torch.arange(2)\ndist.all_gather(out, t)\n",
+        True,
+    ),
+    ("dist.all_reduce(torch.full((2,), 1.0))\n", True),
+    # Filled in place from a CPU tensor: t itself stays where it was made.
+    (
+        "t = torch.zeros(2, device=d)\nt[:] = torch.tensor([1, 2])\ndist.broadcast(t, 0)\n",
+        False,
+    ),
+    ("t = torch.zeros(3)\nops = [dist.P2POp(dist.isend, t, 1)]\n", True),
+]
+
+
 @pytest.mark.parametrize(
-    "code, flagged",
-    [
-        ("t = torch.tensor(1.0, device=ctx.device)\ndist.all_reduce(t)\n", False),
-        ("t = torch.zeros(3)\nt = t.to(ctx.device)\ndist.all_reduce(t)\n", False),
-        ("t = torch.zeros(3)\ndist.all_reduce(t.to(dev))\n", False),
-        ("t = torch.zeros(3)\ndist.all_gather_object(out, t)\n", False),
-        ("t = torch.ones(3)\ndist.broadcast(t, src=0)\n", True),
-        (
-            "out = [torch.empty(2) for _ in range(2)]\nt = torch.arange(2)\n"
-            "dist.all_gather(out, t)\n",
-            True,
-        ),
-        ("dist.all_reduce(torch.full((2,), 1.0))\n", True),
-        # Filled in place from a CPU tensor: t itself stays where it was made.
-        (
-            "t = torch.zeros(2, device=d)\nt[:] = torch.tensor([1, 2])\ndist.broadcast(t, 0)\n",
-            False,
-        ),
-        ("t = torch.zeros(3)\nops = [dist.P2POp(dist.isend, t, 1)]\n", True),
-    ],
+    "check, code, flagged",
+    [(unbatched_pairs, *case) for case in CHECK_A_CASES]
+    + [(cpu_tensors_in_collectives, *case) for case in CHECK_B_CASES],
 )
-def test_check_b_rule(code, flagged):
-    assert bool(cpu_tensors_in_collectives(Source("example", code))) is flagged
+def test_check_rules(check, code, flagged):
+    assert bool(check(Source("example", code))) is flagged
 
 
 def test_no_cpu_tensor_reaches_a_collective_in_scripts_or_notebooks():
-    flagged, allowed = [], set()
-    for source in all_sources():
-        if source.is_package:
-            continue
-        for found in cpu_tensors_in_collectives(source):
-            key = (found.where, found.function)
-            if key in CPU_GROUPS:
-                allowed.add(key)
-            else:
-                flagged.append(str(found))
+    flagged = found_beyond(cpu_tensors_in_collectives, CPU_GROUPS, "CPU_GROUPS", package=False)
     assert not flagged, "give it device=ctx.device (see the module docstring):\n" + "\n".join(
         flagged
     )
-    assert allowed == set(CPU_GROUPS), f"stale CPU_GROUPS entries: {set(CPU_GROUPS) - allowed}"
 
 
 # ------------------------------------------- what a lesson shows of one backend

@@ -39,12 +39,17 @@ pytestmark = pytest.mark.serial
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
+def run_kept(name: str, script: str, args=(), **kwargs) -> dict:
+    """``scripts/<script>`` run as ``gpu_support.run`` does, its results kept as ``<name>.json``."""
+    r = run(ROOT, script, args, **kwargs)
+    keep(name, r)
+    return r
+
+
 @pytest.fixture(scope="module")
 def hello():
     """00_hello_ranks.py with one rank per GPU: an all_reduce of the ranks over nccl."""
-    r = run(ROOT, "00_hello_ranks.py")
-    keep("00_hello_ranks", r)
-    return r
+    return run_kept("00_hello_ranks", "00_hello_ranks.py")
 
 
 # ---------------------------------------------------------------- nccl and the fallback
@@ -63,22 +68,22 @@ def test_nccl_all_reduce_sums_over_several_gpus(hello):
 
 
 @needs_gpu
-def test_ddp_script_trains_on_gpus(root):
-    r = run(root, "05_train_ddp.py", ["--epochs", "1", "--max-steps", "20", "--no-progress"])
-    keep("05_train_ddp", r)
+def test_ddp_script_trains_on_gpus():
+    r = run_kept(
+        "05_train_ddp", "05_train_ddp.py", ["--epochs", "1", "--max-steps", "20", "--no-progress"]
+    )
     assert r["device"].startswith("cuda") and r["backend"] == "nccl"
     assert r["world_size"] == RANKS and r["test_samples"] in (1000, 10000)
     assert math.isfinite(r["train_loss"])
 
 
 @needs_gpu
-def test_more_ranks_than_gpus_fall_back_to_cpu_and_gloo(root, capsys):
+def test_more_ranks_than_gpus_fall_back_to_cpu_and_gloo(capsys):
     nproc = GPUS + 1
     plan = runtime.device_plan(nproc, GPUS)
     assert plan.fallback and (plan.device_type, plan.backend) == ("cpu", "gloo")
-    r = run(root, "05_train_ddp.py", ["--epochs", "1", "--max-steps", "5", "--no-progress"],
-            nproc=nproc, gpus=GPUS)  # fmt: skip
-    keep("05_train_ddp_fallback", r)
+    args = ["--epochs", "1", "--max-steps", "5", "--no-progress"]
+    r = run_kept("05_train_ddp_fallback", "05_train_ddp.py", args, nproc=nproc, gpus=GPUS)
     out = capsys.readouterr().out.splitlines()
     # One line says why, and the command shown is the one that runs.
     assert out.count(plan.reason) == 1, out
@@ -90,10 +95,9 @@ def test_more_ranks_than_gpus_fall_back_to_cpu_and_gloo(root, capsys):
 
 
 @needs_gpu
-def test_autocast_and_grad_scaler_train_on_gpus(root):
+def test_autocast_and_grad_scaler_train_on_gpus():
     # On CUDA the script's "autocast" run is float16 with a GradScaler (bfloat16 on CPU).
-    r = run(root, "07_mixed_precision.py", ["--max-steps", "30"])
-    keep("07_mixed_precision", r)
+    r = run_kept("07_mixed_precision", "07_mixed_precision.py", ["--max-steps", "30"])
     assert r["device"].startswith("cuda") and r["world_size"] == RANKS
     v = r["variants"]
     assert all(s["steps"] == 30 for s in v.values()), v
@@ -107,9 +111,7 @@ def test_autocast_and_grad_scaler_train_on_gpus(root):
 @pytest.fixture(scope="module")
 def sync_batchnorm():
     """07_sync_batchnorm.py with one rank per GPU."""
-    r = run(ROOT, "07_sync_batchnorm.py")
-    keep("07_sync_batchnorm", r)
-    return r
+    return run_kept("07_sync_batchnorm", "07_sync_batchnorm.py")
 
 
 @needs_gpu
@@ -136,9 +138,7 @@ def test_sync_batchnorm_exchanges_statistics_between_gpus(sync_batchnorm):
 def pipeline_run():
     """08_pipeline.py with one stage per GPU, every schedule."""
     args = ["--stage-cost-s", "0", "--microbatches", str(RANKS), "--batch-size", "32"]
-    r = run(ROOT, "08_pipeline.py", args)
-    keep("08_pipeline", r)
-    return r
+    return run_kept("08_pipeline", "08_pipeline.py", args)
 
 
 @needs_gpu
@@ -172,8 +172,9 @@ def test_pipeline_script_on_gpus(pipeline_run):
 def fsdp(tmp_path_factory):
     """One FSDP2 job on every GPU (at most MAX_RANKS) that saves a sharded checkpoint."""
     folder = tmp_path_factory.mktemp("fsdp") / "ckpt"
-    r = run(ROOT, "09_fsdp.py", ["--steps", "2", "--hidden", "32", "--checkpoint", str(folder)])
-    keep("09_fsdp", r)
+    r = run_kept(
+        "09_fsdp", "09_fsdp.py", ["--steps", "2", "--hidden", "32", "--checkpoint", str(folder)]
+    )
     return r, folder
 
 
@@ -199,10 +200,11 @@ def test_fsdp2_shards_over_several_gpus(fsdp):
 
 @needs_gpu
 @world_size_1("a sharded checkpoint loaded on fewer GPUs than saved it")
-def test_fsdp2_checkpoint_loads_on_fewer_gpus(root, fsdp):
+def test_fsdp2_checkpoint_loads_on_fewer_gpus(fsdp):
     _, folder = fsdp
-    r = run(root, "09_fsdp.py", ["--hidden", "32", "--resume", str(folder)], nproc=RANKS - 1)
-    keep("09_fsdp_resume", r)
+    r = run_kept(
+        "09_fsdp_resume", "09_fsdp.py", ["--hidden", "32", "--resume", str(folder)], nproc=RANKS - 1
+    )
     assert (r["device"], r["world_size"]) == ("cuda", RANKS - 1)
     assert r["resume"]["changed_by_load"] > 0  # the fresh model really was replaced
 
@@ -215,9 +217,7 @@ def sweep():
     """10_benchmark.py's collectives sweep with one rank per GPU."""
     args = ["collectives", "--min-bytes", "4096", "--max-bytes", str(16 * 2**20),
             "--warmup", "2", "--repeats", "5", "--no-progress"]  # fmt: skip
-    r = run(ROOT, "10_benchmark.py", args)
-    keep("10_benchmark_collectives", r)
-    return r
+    return run_kept("10_benchmark_collectives", "10_benchmark.py", args)
 
 
 @needs_gpu
@@ -244,9 +244,8 @@ def test_benchmark_nccl_sweep(sweep):
 
 
 @needs_gpu
-def test_benchmark_every_mode_tiny_on_gpus(root):
-    r = run(root, "10_benchmark.py", ["all", "--tiny", "--no-progress"])
-    keep("10_benchmark_tiny", r)
+def test_benchmark_every_mode_tiny_on_gpus():
+    r = run_kept("10_benchmark_tiny", "10_benchmark.py", ["all", "--tiny", "--no-progress"])
     assert (r["meta"]["backend"], r["meta"]["world_size"]) == ("nccl", RANKS)
     assert {row["mode"] for row in r["rows"]} == {"collectives", "scaling", "knobs", "model",
                                                   "trace"}  # fmt: skip

@@ -77,10 +77,11 @@ def test_bytes_sent_match_the_formulas(job):
         c = report["counted"]
         assert c["ring contiguous"]["local_shape"] == list(shape)
         for layout in ("ring contiguous", "ring zigzag"):
-            assert c[layout]["bytes"] == {"p2p": cp.ring_bytes(shape, 4, n), "all_to_all": 0}
+            expected = {"p2p": cp.ring_attention_bytes(shape, 4, n), "all_to_all": 0}
+            assert c[layout]["bytes"] == expected
         assert c["ulysses"]["bytes"] == {"p2p": 0, "all_to_all": cp.ulysses_bytes(shape, 4, n)}
         # The formulas spelled out, in case both sides drift together.
-        assert cp.ring_bytes(shape, 4, n) == 2 * (n - 1) * math.prod(shape) * 4
+        assert cp.ring_attention_bytes(shape, 4, n) == 2 * (n - 1) * math.prod(shape) * 4
         assert cp.ulysses_bytes(shape, 4, n) * n == 4 * (n - 1) * math.prod(shape) * 4
 
 
@@ -95,7 +96,7 @@ def test_backward_bytes_match_the_formulas(job):
                 "p2p": cp.ring_backward_bytes(shape, 4, n), "all_to_all": 0}  # fmt: skip
         assert cp.ring_backward_bytes(shape, 4, n) == (4 * n - 2) * math.prod(shape) * 4
         # bfloat16 inputs: K, V travel in 2 bytes, the float32 accumulators in 4.
-        assert c["ring bfloat16"]["bytes"]["p2p"] == cp.ring_bytes(shape, 2, n)
+        assert c["ring bfloat16"]["bytes"]["p2p"] == cp.ring_attention_bytes(shape, 2, n)
         assert c["ring bfloat16"]["backward_bytes"]["p2p"] == cp.ring_backward_bytes(shape, 2, n, 4)
         # Ulysses: the four all-to-alls again, reversed.
         assert c["ulysses"]["backward_bytes"] == {
@@ -110,7 +111,7 @@ def test_each_pass_is_posted_before_the_blocks_and_waited_for_after(job):
     n = job["world_size"]
     for rank, report in enumerate(job["ranks"]):
         blocks = [0] * n
-        for b in cp.ring_schedule(rank, n, T_LOCAL):
+        for b in cp.ring_attention_schedule(rank, n, T_LOCAL):
             blocks[b.step] += 1
         forward, backward = [], []
         for step, count in enumerate(blocks):

@@ -137,31 +137,25 @@ def test_only_a_lesson_that_shows_the_error_puts_a_rank_without_a_gpu_on_cuda():
 # --- end to end: the launcher believes there is one GPU, the workers run on CPU ---
 
 
-def test_launcher_falls_back_to_cpu_and_the_workers_follow(workers, capsys):
-    job = launch.torchrun(
-        workers / "launch_sleep.py", ["--pretend-gpus", "1"], nproc=2, gpus=1,
-        results=True, timeout_s=120,
+@pytest.mark.parametrize("launcher", ["torchrun", "python"])
+def test_launcher_falls_back_to_cpu_and_the_workers_follow(workers, capsys, launcher):
+    # One GPU, a 2-rank job: its ranks run on CPU, and so must its one-process
+    # reference (launch.python(reference_for=2); on cuda:0 the two would be compared
+    # across devices).
+    ranks = {"nproc": 2} if launcher == "torchrun" else {"reference_for": 2}
+    job = getattr(launch, launcher)(
+        workers / "launch_sleep.py", ["--pretend-gpus", "1"], gpus=1, results=True,
+        timeout_s=120, **ranks,
     )  # fmt: skip
     printed = capsys.readouterr().out.splitlines()
     assert printed[0] == "2 ranks, 1 GPU: running on CPU with gloo so every rank has a device"
-    assert printed[1].startswith("$ DDP_COURSE_DEVICE=cpu torchrun --nproc_per_node=2 ")
-    assert job.results["device"] == "cpu" and job.results["backend"] == "gloo"
-    for rank in (0, 1):
-        assert f"rank {rank}: device cpu, backend gloo, DDP_COURSE_DEVICE=cpu" in job.logs[rank]
-
-
-def test_a_one_process_reference_runs_where_the_ranks_of_its_job_run(workers, capsys):
-    # One GPU, a 2-rank job: its ranks run on CPU, so its one-process reference must
-    # too (on cuda:0 the two would be compared across devices).
-    job = launch.python(
-        workers / "launch_sleep.py", ["--pretend-gpus", "1"], reference_for=2, gpus=1,
-        results=True, timeout_s=120,
-    )  # fmt: skip
-    printed = capsys.readouterr().out.splitlines()
-    assert printed[0] == "2 ranks, 1 GPU: running on CPU with gloo so every rank has a device"
-    assert printed[1].startswith("$ DDP_COURSE_DEVICE=cpu python ")
+    assert printed[1].startswith(f"$ DDP_COURSE_DEVICE=cpu {launcher} ")
     assert job.results["device"] == "cpu"
-    assert "DDP_COURSE_DEVICE=cpu" in job.logs[0]
+    for rank in range(2 if launcher == "torchrun" else 1):
+        assert f"rank {rank}: device cpu, backend " in job.logs[rank]
+        assert "DDP_COURSE_DEVICE=cpu" in job.logs[rank]
+    if launcher == "torchrun":
+        assert job.results["backend"] == "gloo"
 
 
 @pytest.mark.parametrize("gpus", [0, 1, 2, 4])

@@ -1,6 +1,8 @@
 """Context parallelism's one-process pieces: placement, masks, the log-sum-exp merge, blockwise
 attention against scaled_dot_product_attention, the ring schedule's work per rank, formulas."""
 
+import importlib
+
 import pytest
 import torch
 from torch.nn import functional as F
@@ -14,7 +16,7 @@ def qkv(t=12, dtype=torch.float64, b=2, h=3, d=4):
 
 
 def test_layouts_cover_the_sequence_once():
-    for layout in cp.LAYOUTS:
+    for layout in cp.PLACEMENTS:
         for p in (1, 2, 3, 4):
             pos = torch.cat([cp.sequence_positions(r, p, 4, layout) for r in range(p)])
             assert sorted(pos.tolist()) == list(range(4 * p))
@@ -86,7 +88,7 @@ def test_ring_schedule_work_contiguous_vs_zigzag():
 
 
 def test_byte_formulas():
-    assert cp.ring_bytes((1, 2, 3, 4), 4, 4) == 2 * 3 * 24 * 4
+    assert cp.ring_attention_bytes((1, 2, 3, 4), 4, 4) == 2 * 3 * 24 * 4
     assert cp.ulysses_bytes((1, 2, 3, 4), 4, 4) == 4 * 3 * 24 * 4 // 4
 
 
@@ -125,11 +127,21 @@ def test_the_package_lists_each_name_from_its_module():
     assert cp.ulysses_attention is ulysses.ulysses_attention
     assert cp.ring_work is cost.ring_work
     assert cp.RingAttention is ring.RingAttention
-    for name in set(cp.__all__) - {"LAYOUTS"}:  # each defined in one of the package's modules
+    for name in set(cp.__all__) - {"PLACEMENTS"}:  # each defined in one of the package's modules
         assert getattr(cp, name).__module__.startswith("ddp_course.context_parallel."), name
     assert not hasattr(cp, "__getattr__")  # every name imported, none resolved late
     with pytest.raises(AttributeError):
         cp.nothing  # noqa: B018
+
+
+def test_no_public_name_means_one_thing_here_and_another_elsewhere():
+    # The ring's Tile, ring_attention_schedule, ring_attention_bytes and PLACEMENTS once
+    # shared their names with models.Block, collectives.ring_schedule,
+    # comm_cost.ring_bytes and mesh_layouts.LAYOUTS.
+    for name in ("models", "collectives", "comm_cost", "mesh_layouts", "sequence_parallel",
+                 "tensor_parallel"):  # fmt: skip
+        module = importlib.import_module(f"ddp_course.{name}")
+        assert not set(cp.__all__) & set(module.__all__), name
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])

@@ -3,9 +3,13 @@ bad sizes are refused with a clear error, no process group gives a clear error, 
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch import nn
 
+from ddp_course import runtime
 from ddp_course import sequence_parallel as sp
 from ddp_course import tensor_parallel as tp
+from ddp_course.collectives import group_rank_and_size
 from ddp_course.models import Block, CausalSelfAttention, TinyGPT
 from ddp_course.parallel_gpt import ParallelGPT
 from ddp_course.tensor_parallel import ParallelAttention
@@ -45,6 +49,19 @@ def test_two_ranks_without_a_process_group_say_how_to_get_one():
         sp.gather_from_sequence(torch.randn(1, 4, 16))
     with pytest.raises(ValueError, match=r"whole input \[B, T, 16\]"):
         attn(torch.randn(4, 16))
+
+
+def test_the_group_check_runs_alone_refuses_what_needs_a_group_and_a_wrong_world():
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    assert group_rank_and_size() == (0, 1)  # alone: a world of one
+    with pytest.raises(RuntimeError, match="ring attention needs a process group.*torchrun"):
+        group_rank_and_size(needed_for="ring attention")
+    tp.ColumnParallelLinear(nn.Linear(4, 4), 1, 2)  # any rank's layer, to test it alone
+    with runtime.distributed(backend="gloo", device="cpu", group_of_one=True):
+        assert group_rank_and_size(needed_for="a test") == (0, 1)
+        with pytest.raises(ValueError, match=r"world_size=2 .* \(rank 0 of 1\): pass ctx.rank"):
+            tp.ColumnParallelLinear(nn.Linear(4, 4), 0, 2)
 
 
 def test_region_seeds_agree_where_replicated_and_differ_where_sharded():

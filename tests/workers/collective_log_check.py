@@ -15,12 +15,12 @@ compare the two:
     torchrun --nproc_per_node=4 tests/workers/collective_log_check.py
 """
 
-import argparse
 import threading
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+import worker_checks  # tests/workers/, the script's folder
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -32,9 +32,7 @@ from ddp_course.runtime import distributed
 from ddp_course.tools.collective_log import CollectiveLog
 from ddp_course.tools.records import write_results
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--results")
-args = parser.parse_args()
+args = worker_checks.parse_args()
 
 
 def plain(ctx, log, out):

@@ -20,32 +20,27 @@ against float64 on the same values: how far each goes past one bfloat16 rounding
     torchrun --nproc_per_node=2 tests/workers/context_parallel_check.py
 """
 
-import argparse
 import warnings
 
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
 import worker_checks  # tests/workers/, the script's folder
+from worker_checks import mismatch
 
 from ddp_course import context_parallel as cp
 from ddp_course.runtime import distributed
 from ddp_course.tools.collective_log import CollectiveLog
 from ddp_course.tools.records import write_results
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--batch-size", type=int, default=2)
-parser.add_argument("--n-heads", type=int, default=12)  # divisible by 2, 3 and 4
-parser.add_argument("--t-local", type=int, default=6)
-parser.add_argument("--head-dim", type=int, default=4)
-parser.add_argument("--results")
-args = parser.parse_args()
+args = worker_checks.parse_args(
+    batch_size=2,
+    n_heads=12,  # divisible by 2, 3 and 4
+    t_local=6,
+    head_dim=4,
+)
 
 TOL = {torch.float64: {"rtol": 1e-12, "atol": 1e-12}, torch.float32: {"rtol": 1e-6, "atol": 1e-6}}
-
-
-def mismatch(actual, expected, dtype):
-    return worker_checks.mismatch(actual, expected, **TOL[dtype])
 
 
 def whole(world_size, dtype, batch=None, heads=None):
@@ -87,9 +82,9 @@ def compare(ctx, fn, dtype, layout="contiguous", causal=True, docs=None, ref_doc
         kw["ops"] = broken(variant)  # only the attention: the sharding above stays right
     out = fn(*local, causal=causal, layout=layout, document_ids=docs, **kw)
     (out * my_grad).sum().backward()
-    fails = {"output": mismatch(out, mine(ref), dtype)}
+    fails = {"output": mismatch(out, mine(ref), **TOL[dtype])}
     for name, a, b in zip("qkv", local, ref_in):
-        fails[f"d{name}"] = mismatch(a.grad, mine(b.grad), dtype)
+        fails[f"d{name}"] = mismatch(a.grad, mine(b.grad), **TOL[dtype])
     return fails
 
 

@@ -6,11 +6,11 @@ DDP models with different seeds on purpose: DDP must broadcast rank 0's
 parameters at construction.
 """
 
-import argparse
 import dataclasses
 
 import torch
 import torch.distributed as dist
+import worker_checks  # tests/workers/, the script's folder
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_course.data import synthetic_classification
@@ -19,11 +19,7 @@ from ddp_course.runtime import distributed
 from ddp_course.tools.records import write_results
 from ddp_course.training import evaluate
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--steps", type=int, default=5)
-parser.add_argument("--batch-size", type=int, default=4)
-parser.add_argument("--results")
-args = parser.parse_args()
+args = worker_checks.parse_args(steps=5, batch_size=4)
 
 with distributed() as ctx:
     n, b = ctx.world_size, args.batch_size

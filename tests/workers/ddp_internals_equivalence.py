@@ -6,12 +6,12 @@ test asserts on numbers, not on "it ran". Every rank trains, besides the
 wrapped model, a plain reference model on the whole global batch.
 """
 
-import argparse
 import contextlib
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import worker_checks  # tests/workers/, the script's folder
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -20,11 +20,7 @@ from ddp_course.runtime import distributed
 from ddp_course.tools.collective_log import CollectiveLog
 from ddp_course.tools.records import write_results
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--steps", type=int, default=4)
-parser.add_argument("--batch-size", type=int, default=4)
-parser.add_argument("--results")
-args = parser.parse_args()
+args = worker_checks.parse_args(steps=4, batch_size=4)
 
 
 class Net(nn.Module):

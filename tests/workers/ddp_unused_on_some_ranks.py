@@ -9,11 +9,10 @@ from the same weights and see the same batches; rank 0 writes, per step, the
 largest difference of every gradient and parameter from torch's to ``--results``.
 """
 
-import argparse
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import worker_checks  # tests/workers/, the script's folder
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -21,9 +20,7 @@ from ddp_course.ddp import BucketedDDP
 from ddp_course.runtime import distributed
 from ddp_course.tools.records import write_results
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--results")
-args = parser.parse_args()
+args = worker_checks.parse_args()
 
 USES = [(True, True), (True, False), (False, False), (True, True)]  # [step][rank]
 

@@ -16,7 +16,6 @@ the exchange, counted with ``CommDebugMode``).
     torchrun --nproc_per_node=2 tests/workers/expert_parallel_check.py
 """
 
-import argparse
 import functools
 
 import torch
@@ -30,16 +29,15 @@ from ddp_course.runtime import distributed
 from ddp_course.tools.collective_log import CollectiveLog
 from ddp_course.tools.records import write_results
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--d-model", type=int, default=8)
-parser.add_argument("--hidden", type=int, default=16)
-parser.add_argument("--experts", type=int, default=4)
-parser.add_argument("--k", type=int, default=2)
-parser.add_argument("--tokens", type=int, default=12, help="tokens per rank")
-parser.add_argument("--capacity-factor", type=float, default=1.0)
-parser.add_argument("--aux-weight", type=float, default=0.5)
-parser.add_argument("--results")
-args = parser.parse_args()
+args = worker_checks.parse_args(
+    d_model=8,
+    hidden=16,
+    experts=4,
+    k=2,
+    tokens=12,  # tokens per rank
+    capacity_factor=1.0,
+    aux_weight=0.5,
+)
 
 TOL = {"rtol": 1e-12, "atol": 1e-12}  # float64, the same operations in another order
 

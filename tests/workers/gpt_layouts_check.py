@@ -15,10 +15,10 @@ The worker records, never asserts in between, so every rank runs the same collec
     torchrun --nproc_per_node=4 tests/workers/gpt_layouts_check.py
 """
 
-import argparse
 import warnings
 
 import torch
+import worker_checks  # tests/workers/, the script's folder
 from torch.distributed.fsdp import fully_shard
 
 from ddp_course import mesh_layouts as ml
@@ -31,10 +31,7 @@ from ddp_course.tools.mesh_counts import count_step
 from ddp_course.tools.records import write_results
 
 warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
-parser = argparse.ArgumentParser()
-parser.add_argument("--steps", type=int, default=3)
-parser.add_argument("--results")
-args = parser.parse_args()
+args = worker_checks.parse_args(steps=3)
 
 CONFIG = dict(vocab_size=256, d_model=16, n_heads=4, n_layers=2, seq_len=16)
 GLOBAL_BATCH, LR, MOMENTUM = 8, 0.5, 0.9

@@ -7,10 +7,9 @@ the step must equal the reference's layers of that stage. A second part times
 each schedule with sleeping stages (the bubble against the formula).
 """
 
-import argparse
-
 import torch
 import torch.distributed as dist
+import worker_checks  # tests/workers/, the script's folder
 from torch.nn.functional import cross_entropy
 
 from ddp_course import pipeline
@@ -18,12 +17,11 @@ from ddp_course.models import LayerStack
 from ddp_course.runtime import distributed
 from ddp_course.tools.records import write_results
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--microbatches", type=int, default=4)
-parser.add_argument("--batch-size", type=int, default=10)  # not divisible by 4: uneven shares
-parser.add_argument("--sleep-s", type=float, default=0.08, help="forward sleep; backward 2x")
-parser.add_argument("--results")
-args = parser.parse_args()
+args = worker_checks.parse_args(
+    microbatches=4,
+    batch_size=10,  # not divisible by 4: uneven shares
+    sleep_s=0.08,  # forward sleep; backward 2x
+)
 
 
 def layer_stack():

@@ -6,10 +6,9 @@ with ``ddp_course.pipeline.run_schedule`` and once with PyTorch's
 loss must agree (equal micro-batches: torch scales gradients by 1/m).
 """
 
-import argparse
-
 import torch
 import torch.distributed as dist
+import worker_checks  # tests/workers/, the script's folder
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.nn.functional import cross_entropy
 
@@ -18,10 +17,7 @@ from ddp_course.models import LayerStack
 from ddp_course.runtime import distributed
 from ddp_course.tools.records import write_results
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--microbatches", type=int, default=4)
-parser.add_argument("--results")
-args = parser.parse_args()
+args = worker_checks.parse_args(microbatches=4)
 
 TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 

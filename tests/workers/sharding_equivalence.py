@@ -8,11 +8,11 @@ each rank holds after a step, and the collective volume of one step.
     torchrun --nproc_per_node=2 tests/workers/sharding_equivalence.py --results r.json
 """
 
-import argparse
 import warnings
 
 import torch
 import torch.distributed as dist
+import worker_checks  # tests/workers/, the script's folder
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -23,11 +23,7 @@ from ddp_course.sharding import FP32_ADAM, ZeRO, state_bytes_per_rank
 from ddp_course.tools.records import write_results
 from ddp_course.tools.zero_counts import held_bytes
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--steps", type=int, default=4)
-parser.add_argument("--batch-size", type=int, default=4)
-parser.add_argument("--results")
-args = parser.parse_args()
+args = worker_checks.parse_args(steps=4, batch_size=4)
 # CommDebugMode's module tracker uses full backward hooks, which warn on the first layer.
 warnings.filterwarnings("ignore", message="Full backward hook is firing")
 

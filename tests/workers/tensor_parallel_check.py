@@ -14,7 +14,6 @@ and compares it with ours, counting both with ``CommDebugMode``.
     torchrun --nproc_per_node=2 tests/workers/tensor_parallel_check.py
 """
 
-import argparse
 import contextlib
 import functools
 
@@ -37,14 +36,13 @@ from ddp_course.runtime import distributed
 from ddp_course.tools.collective_log import CollectiveLog
 from ddp_course.tools.records import write_results
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--d-model", type=int, default=8)
-parser.add_argument("--hidden", type=int, default=24)  # divisible by 2, 3 and 4
-parser.add_argument("--batch-size", type=int, default=6)
-parser.add_argument("--blocks", type=int, default=2)
-parser.add_argument("--steps", type=int, default=3)
-parser.add_argument("--results")
-args = parser.parse_args()
+args = worker_checks.parse_args(
+    d_model=8,
+    hidden=24,  # divisible by 2, 3 and 4
+    batch_size=6,
+    blocks=2,
+    steps=3,
+)
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -67,24 +65,19 @@ def batch(step):
 mismatch = functools.partial(worker_checks.mismatch, rtol=RTOL, atol=ATOL)
 
 
-def gathered_grads(par):
-    """Whole gradients rebuilt from the shards, named like the reference's."""
-    out = {}
-    for i, block in enumerate(par):
-        out[f"{i}.fc1.weight"] = tp.gather_shards(block.fc1.weight.grad, 0)
-        out[f"{i}.fc1.bias"] = tp.gather_shards(block.fc1.bias.grad, 0)
-        out[f"{i}.fc2.weight"] = tp.gather_shards(block.fc2.weight.grad, 1)
-        out[f"{i}.fc2.bias"] = block.fc2.bias.grad
-    return out
+# How each parameter of a ParallelFeedForward is split: fc1 by rows, fc2's weight by
+# columns; fc2's bias is whole on every rank (None).
+SPLIT_DIM = {"fc1.weight": 0, "fc1.bias": 0, "fc2.weight": 1, "fc2.bias": None}
 
 
-def gathered_weights(par):
+def whole_params(par, grads=True):
+    """Whole gradients (or weights) rebuilt from the shards, named like the reference's."""
     out = {}
     for i, block in enumerate(par):
-        out[f"{i}.fc1.weight"] = tp.gather_shards(block.fc1.weight.detach(), 0)
-        out[f"{i}.fc1.bias"] = tp.gather_shards(block.fc1.bias.detach(), 0)
-        out[f"{i}.fc2.weight"] = tp.gather_shards(block.fc2.weight.detach(), 1)
-        out[f"{i}.fc2.bias"] = block.fc2.bias.detach()
+        for name, dim in SPLIT_DIM.items():
+            param = block.get_parameter(name)
+            shard = param.grad if grads else param.detach()
+            out[f"{i}.{name}"] = shard if dim is None else tp.gather_shards(shard, dim)
     return out
 
 
@@ -128,7 +121,7 @@ def check(ctx, variant):
         with log.recording("backward"):
             mse_loss(out_par, target).backward()
     ref_grads = {name: q.grad for name, q in ref.named_parameters()}
-    got = gathered_grads(par)
+    got = whole_params(par)
     fails = {"output": mismatch(out_par, out_ref), "input_grad": mismatch(x_par.grad, x_ref.grad)}
     for name, g in ref_grads.items():
         fails[f"grad {name}"] = mismatch(got[name], g)
@@ -143,7 +136,7 @@ def check(ctx, variant):
         with broken(variant):
             mse_loss(par(x), target).backward()
     opt_ref.step(), opt_par.step()
-    weights = gathered_weights(par)
+    weights = whole_params(par, grads=False)
     for name, q in ref.named_parameters():
         fails[f"after {args.steps + 1} SGD steps {name}"] = mismatch(weights[name], q.detach())
     expected_bytes = args.batch_size * args.d_model * x.element_size()
@@ -188,7 +181,7 @@ def torch_api(ctx):
         }
     fails = {"output": mismatch(outs["torch"], outs["ours"]),
              "input_grad": mismatch(xs["torch"].grad, xs["ours"].grad)}  # fmt: skip
-    mine = gathered_grads(ours)
+    mine = whole_params(ours)
     for name, q in theirs.named_parameters():
         kinds = {type(p).__name__ for p in q.grad.placements}
         fails[f"grad {name} ({'/'.join(sorted(kinds))})"] = mismatch(

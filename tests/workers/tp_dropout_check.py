@@ -12,11 +12,11 @@ per-rank state re-seeded before every step (the same mask at every step).
     torchrun --nproc_per_node=2 tests/workers/tp_dropout_check.py
 """
 
-import argparse
 import contextlib
 
 import torch
 import torch.distributed as dist
+import worker_checks  # tests/workers/, the script's folder
 
 from ddp_course import sequence_parallel as sp
 from ddp_course import tensor_parallel as tp
@@ -25,14 +25,7 @@ from ddp_course.parallel_gpt import ParallelGPT
 from ddp_course.runtime import distributed
 from ddp_course.tools.records import write_results
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--d-model", type=int, default=16)
-parser.add_argument("--n-heads", type=int, default=4)
-parser.add_argument("--n-layers", type=int, default=2)
-parser.add_argument("--seq-len", type=int, default=8)
-parser.add_argument("--batch-size", type=int, default=2)
-parser.add_argument("--results")
-args = parser.parse_args()
+args = worker_checks.parse_args(**worker_checks.TINY_GPT)
 
 VARIANTS = ("as_written", "default_generator_everywhere", "reseeded_every_step",
             "default_generator_seed_plus_rank")  # fmt: skip

@@ -19,13 +19,13 @@ collectives even when a check fails:
     torchrun --nproc_per_node=2 tests/workers/tp_gpt_check.py
 """
 
-import argparse
 import contextlib
 
 import torch
 import torch.distributed as dist
 import worker_checks  # tests/workers/, the script's folder
 from torch.nn import functional
+from worker_checks import mismatch
 
 from ddp_course import sequence_parallel as sp
 from ddp_course import tensor_parallel as tp
@@ -36,23 +36,12 @@ from ddp_course.tools.collective_log import CollectiveLog
 from ddp_course.tools.records import write_results
 from ddp_course.tools.saved_tensors import saved_activation_bytes
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--d-model", type=int, default=16)
-parser.add_argument("--n-heads", type=int, default=4)
-parser.add_argument("--n-layers", type=int, default=2)
-parser.add_argument("--seq-len", type=int, default=8)
-parser.add_argument("--batch-size", type=int, default=2)
-parser.add_argument("--steps", type=int, default=5)
-parser.add_argument("--results")
-args = parser.parse_args()
+args = worker_checks.parse_args(**worker_checks.TINY_GPT, steps=5)
 
-BLOCK_TOL, GPT_TOL = 1e-12, 1e-10
+BLOCK_TOL = {"rtol": 1e-12, "atol": 1e-12}
+GPT_TOL = {"rtol": 1e-10, "atol": 1e-10}
 VARIANTS = ("as_written", "f_backward_without_all_reduce", "sp_without_all_gather",
             "ln_grad_not_reduced")  # fmt: skip
-
-
-def mismatch(actual, expected, tol):
-    return worker_checks.mismatch(actual, expected, rtol=tol, atol=tol)
 
 
 def my_part(x, ctx):
@@ -117,11 +106,11 @@ def check_block(ctx, variant, sequence_parallel):
     want_out = my_part(out_ref, ctx) if sequence_parallel else out_ref
     want_xg = my_part(x_ref.grad, ctx) if sequence_parallel else x_ref.grad
     got_xg = my_part(x_full.grad, ctx) if sequence_parallel else x_full.grad
-    fails = {"output": mismatch(out, want_out, BLOCK_TOL),
-             "input_grad": mismatch(got_xg, want_xg, BLOCK_TOL)}  # fmt: skip
+    fails = {"output": mismatch(out, want_out, **BLOCK_TOL),
+             "input_grad": mismatch(got_xg, want_xg, **BLOCK_TOL)}  # fmt: skip
     grads = gather_full_state(par, grads=True)
     for name, q in ref.named_parameters():
-        fails[f"grad {name}"] = mismatch(grads[name], q.grad, BLOCK_TOL)
+        fails[f"grad {name}"] = mismatch(grads[name], q.grad, **BLOCK_TOL)
     return {"fails": fails, "calls": log.calls}
 
 
@@ -177,7 +166,7 @@ def check_gpt(ctx, variant, sequence_parallel):
         opt_ref.step(), opt_par.step()
         opt_ref.zero_grad(), opt_par.zero_grad()
     full = gather_full_state(par)
-    fails = {f"after {args.steps} steps {name}": mismatch(full[name], q.detach(), GPT_TOL)
+    fails = {f"after {args.steps} steps {name}": mismatch(full[name], q.detach(), **GPT_TOL)
              for name, q in ref.named_parameters()}  # fmt: skip
     step0 = [c for c in log.calls if c["phase"].endswith(" 0")]
     return {"fails": fails, "calls": step0, "replicas_disagree": replicas_disagree(par, ctx),

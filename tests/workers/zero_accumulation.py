@@ -15,10 +15,9 @@ to the one-process run and how far DDP moved the parameters:
     torchrun --nproc_per_node=2 tests/workers/zero_accumulation.py --results r.json
 """
 
-import argparse
-
 import torch
 import torch.nn.functional as F
+import worker_checks  # tests/workers/, the script's folder
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_course.models import MLP
@@ -26,13 +25,12 @@ from ddp_course.runtime import distributed, no_tf32
 from ddp_course.sharding import ZeRO
 from ddp_course.tools.records import write_results
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--steps", type=int, default=3)
-parser.add_argument("--micro", type=int, default=2, help="backward passes per step")
-parser.add_argument("--batch-size", type=int, default=4, help="samples per micro-batch")
-parser.add_argument("--lr", type=float, default=0.1)
-parser.add_argument("--results")
-args = parser.parse_args()
+args = worker_checks.parse_args(
+    steps=3,
+    micro=2,  # backward passes per step
+    batch_size=4,  # samples per micro-batch
+    lr=0.1,
+)
 
 
 class OverwriteZero(ZeRO):

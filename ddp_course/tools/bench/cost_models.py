@@ -107,17 +107,8 @@ def parameter_server_time(nbytes: float, world_size: int, link: AlphaBeta) -> fl
     The server's link carries the N-1 workers' tensors in, then the result
     out to each, 2(N-1)S bytes one after the other: the bottleneck that
     grows with N (the byte counts are ``comm_cost.parameter_server_bytes``).
-
-    Args:
-        nbytes: message size S in bytes.
-        world_size: N ranks, >= 1.
-        link: the point-to-point model of a one-way send (seconds, s/byte).
-
-    Returns:
-        Seconds; 0 for one rank.
-
-    Raises:
-        ValueError: if ``world_size < 1``.
+    Arguments, result and error as :func:`ring_all_reduce_time`'s, ``link``
+    being the model of a one-way send.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, not {world_size}")
