@@ -12,17 +12,17 @@ process group: what it looks at is the launcher. With --sleep-s S every rank
 then waits S seconds before it exits: a job that outlives a launcher's timeout.
 """
 
-import argparse
 import os
 import time
+
+from ddp_course.harness.script_args import script_parser
 
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                       "ROLE_RANK", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")  # fmt: skip
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--results", help="rank 0 writes a JSON summary here")
+    parser = script_parser(__doc__, results=None)
     parser.add_argument("--sleep-s", type=float, default=0.0, help="seconds to wait at the end")
     args = parser.parse_args()  # an unknown argument such as --local-rank=0 exits here
     names = sorted(

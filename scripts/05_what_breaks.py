@@ -18,14 +18,13 @@ rank 0 reports the largest difference between their parameters. The cases:
   dropout, same seed every rank draws the same masks
 """
 
-import argparse
-
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
 from ddp_course.data import synthetic_classification
+from ddp_course.harness.script_args import script_parser
 from ddp_course.runtime import DistContext, distributed, get_logger, no_tf32
 from ddp_course.tools.records import write_results
 from ddp_course.training import parameter_gap
@@ -91,12 +90,10 @@ def run_case(case: str, ctx: DistContext, b: int, steps: int, lr: float, seed: i
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch-size", type=int, default=4, help="samples per step per rank")
-    parser.add_argument("--steps", type=int, default=3, help="SGD steps per case")
-    parser.add_argument("--lr", type=float, default=0.5, help="SGD learning rate")
-    parser.add_argument("--seed", type=int, default=0, help="the same on every rank")
-    parser.add_argument("--results", help="rank 0 writes a JSON summary here")
+    meaning = {"steps": "SGD steps per case", "lr": "SGD learning rate"}
+    parser = script_parser(
+        __doc__, batch_size=4, steps=3, lr=0.5, seed=0, results=None, help=meaning
+    )
     args = parser.parse_args()
     no_tf32()  # full float32 on a GPU: "equal shares" is compared to float rounding
     with distributed() as ctx:  # the launcher's device plan: a GPU per rank, or the CPU

@@ -14,8 +14,6 @@ gathers it all (all_gather_object) and writes it to --results. TF32 is off
 (ddp_course.runtime.no_tf32), so a GPU evaluates in full float32.
 """
 
-import argparse
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -24,6 +22,7 @@ from torchvision import transforms
 
 from ddp_course.checkpoint import load_checkpoint
 from ddp_course.data import load_mnist
+from ddp_course.harness.script_args import script_parser
 from ddp_course.models import SmallCNN
 from ddp_course.runtime import DistContext, distributed, get_logger, no_tf32, seed_everything
 from ddp_course.tools.records import write_results
@@ -31,16 +30,18 @@ from ddp_course.training import evaluate
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    meaning = {
+        "epochs": "epochs in the index demo",
+        "batch_size": "evaluation batch per rank",
+        "checkpoint": "model to evaluate (default: seeded initialisation)",
+    }
+    parser = script_parser(
+        __doc__, epochs=3, seed=0, batch_size=100, checkpoint=None, results=None, help=meaning
+    )
     parser.add_argument("--dataset-size", type=int, default=10, help="samples in the index demo")
-    parser.add_argument("--epochs", type=int, default=3, help="epochs in the index demo")
-    parser.add_argument("--seed", type=int, default=0, help="the same on every rank")
     parser.add_argument("--eval-size", type=int, default=0, help="test digits (0: all)")
-    parser.add_argument("--batch-size", type=int, default=100, help="evaluation batch per rank")
-    parser.add_argument("--checkpoint", help="model to evaluate (default: seeded initialisation)")
     parser.add_argument("--data-dir", default="data", help="folder for full MNIST")
     parser.add_argument("--data-source", default="subset", choices=["auto", "full", "subset"])
-    parser.add_argument("--results", help="rank 0 writes a JSON summary here")
     return parser.parse_args()
 
 

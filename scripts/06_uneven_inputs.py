@@ -19,7 +19,6 @@ done, then the final model is broadcast from the last rank to finish (RFC pytorc
 https://pytorch.org/tutorials/advanced/generic_join.html).
 """
 
-import argparse
 import contextlib
 import datetime
 import os
@@ -33,6 +32,7 @@ from torch.utils.data import DataLoader, Subset
 
 from ddp_course.data import synthetic_classification
 from ddp_course.harness.restarts import attempt_prefix
+from ddp_course.harness.script_args import script_parser
 from ddp_course.models import MLP
 from ddp_course.runtime import (
     DistContext,
@@ -58,14 +58,10 @@ def wait_for_every_rank(ctx: DistContext, timeout_s: float) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = script_parser(__doc__, batch_size=32, timeout_s=60, seed=0, results=None)
     parser.add_argument("--batches", type=int, default=4, help="batches on rank 0")
     parser.add_argument("--extra", type=int, default=2, help="more batches per higher rank")
-    parser.add_argument("--batch-size", type=int, default=32, help="samples per step per rank")
     parser.add_argument("--join", action="store_true", help="train inside Join([model])")
-    parser.add_argument("--timeout-s", type=float, default=60, help="collective timeout, seconds")
-    parser.add_argument("--seed", type=int, default=0, help="the same on every rank")
-    parser.add_argument("--results", help="rank 0 writes a JSON summary here")
     args = parser.parse_args()
 
     with distributed(timeout_s=args.timeout_s) as ctx:

@@ -15,7 +15,6 @@ bucket_cap_mb for BucketedDDP and torch's DDP. Rank 0 writes JSON to --results
 and a plot next to it (same name, .png).
 """
 
-import argparse
 import pathlib
 
 import torch
@@ -24,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from ddp_course.ddp import BucketedDDP, NaiveDDP
+from ddp_course.harness.script_args import script_parser
 from ddp_course.models import LayerStack, resnet18_mnist
 from ddp_course.runtime import distributed, get_logger
 from ddp_course.tools.bench import summarize, time_op
@@ -34,15 +34,12 @@ CAPS = [0.25, 0.5, 1, 2, 5, 10, 25, 50, 100]
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = script_parser(__doc__, batch_size=16, no_progress=False, results=None)
     p.add_argument("--model", choices=["resnet18", "layerstack"], default="resnet18")
-    p.add_argument("--batch-size", type=int, default=16, help="samples per rank per step")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before each timing")
     p.add_argument("--repeats", type=int, default=10, help="timed steps per setting")
     p.add_argument("--accum", type=int, default=4, help="micro-batches in the no_sync test")
     p.add_argument("--caps", type=float, nargs="+", default=CAPS, help="bucket_cap_mb sweep")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--results", help="write the measurements here as JSON (rank 0)")
     return p.parse_args()
 
 

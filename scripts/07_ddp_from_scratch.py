@@ -19,7 +19,6 @@ and when an all-reduce was queued; with nccl, "done" is when the result may
 be used by the next kernels on the stream, not when the GPU finished it.
 """
 
-import argparse
 import contextlib
 import time
 
@@ -29,6 +28,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_course.ddp import BucketedDDP, NaiveDDP, average_gradients
+from ddp_course.harness.script_args import script_parser
 from ddp_course.models import LayerStack
 from ddp_course.runtime import distributed, get_logger, no_tf32
 from ddp_course.tools.collective_log import CollectiveLog
@@ -38,16 +38,13 @@ PARTS = ("compare", "timeline", "accumulation")
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=3, help="SGD steps per comparison")
-    p.add_argument("--batch-size", type=int, default=32, help="samples per rank per step")
-    p.add_argument("--hidden", type=int, default=256, help="width of the layer stack")
+    meaning = {"steps": "SGD steps per comparison", "hidden": "width of the layer stack"}
+    p = script_parser(__doc__, steps=3, batch_size=32, hidden=256, results=None, help=meaning)
     p.add_argument("--layers", type=int, default=8, help="hidden layers (2 tensors each)")
     p.add_argument("--bucket-cap-mb", type=float, default=0.5, help="bucket capacity, MB")
     p.add_argument("--accum", type=int, default=4, help="micro-batches per optimizer step")
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
                    help="what to run (default: all three)")  # fmt: skip
-    p.add_argument("--results", help="write the measurements here as JSON (rank 0)")
     return p.parse_args()
 
 

@@ -29,18 +29,17 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_course.ddp import BucketedDDP
+from ddp_course.harness.script_args import script_parser
 from ddp_course.models import LayerStack
 from ddp_course.runtime import distributed, get_logger, no_tf32
 from ddp_course.tools.records import write_results
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=2, help="SGD steps per experiment")
-    p.add_argument("--batch-size", type=int, default=16, help="samples per rank per step")
+    meaning = {"steps": "SGD steps per experiment"}
+    p = script_parser(__doc__, steps=2, batch_size=16, results=None, help=meaning)
     p.add_argument("--mem-width", type=int, default=1024, help="width of the memory model")
     p.add_argument("--unused-error", action="store_true", help="reproduce the unused error")
-    p.add_argument("--results", help="write the measurements here as JSON (rank 0)")
     return p.parse_args()
 
 

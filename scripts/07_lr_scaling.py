@@ -14,7 +14,6 @@ The model and every batch live on ctx.device (cuda:<local rank> with nccl,
 else cpu with gloo).
 """
 
-import argparse
 import dataclasses
 
 import torch
@@ -23,6 +22,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_course.data import load_mnist
+from ddp_course.harness.script_args import script_parser
 from ddp_course.models import MLP
 from ddp_course.runtime import distributed, get_logger
 from ddp_course.tools.records import write_results
@@ -32,12 +32,9 @@ POLICIES = ("base rate", "linear scaling", "linear scaling + warm-up")
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--epochs", type=int, default=1, help="passes over the training subset")
-    p.add_argument("--batch-size", type=int, default=32, help="samples per rank per step")
-    p.add_argument("--lr", type=float, default=0.01, help="base learning rate (one rank)")
+    meaning = {"epochs": "passes over the training subset", "lr": "base learning rate (one rank)"}
+    p = script_parser(__doc__, epochs=1, batch_size=32, lr=0.01, results=None, help=meaning)
     p.add_argument("--warmup-steps", type=int, default=5, help="steps of the linear ramp")
-    p.add_argument("--results", help="write the measurements here as JSON (rank 0)")
     return p.parse_args()
 
 

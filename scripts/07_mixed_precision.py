@@ -12,7 +12,6 @@ is counted in bytes, step by step, by the course's collective log: PowerSGD
 sends its first steps uncompressed.
 """
 
-import argparse
 import contextlib
 
 import torch
@@ -22,6 +21,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_course.data import load_mnist
+from ddp_course.harness.script_args import script_parser
 from ddp_course.models import MLP
 from ddp_course.runtime import distributed, get_logger
 from ddp_course.tools.collective_log import CollectiveLog
@@ -34,11 +34,9 @@ POWERSGD_START = 2  # start_powerSGD_iter: the steps before it are sent uncompre
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--epochs", type=int, default=1, help="passes over the training subset")
-    p.add_argument("--batch-size", type=int, default=32, help="samples per rank per step")
+    meaning = {"epochs": "passes over the training subset"}
+    p = script_parser(__doc__, epochs=1, batch_size=32, results=None, help=meaning)
     p.add_argument("--max-steps", type=int, default=0, help="stop each run early (0: no)")
-    p.add_argument("--results", help="write the measurements here as JSON (rank 0)")
     return p.parse_args()
 
 

@@ -10,12 +10,11 @@ the global batch, two all-reduces) and, on GPUs only, torch's SyncBatchNorm.
 Every rank also runs BatchNorm on the whole global batch as the reference.
 """
 
-import argparse
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddp_course.harness.script_args import script_parser
 from ddp_course.runtime import distributed, get_logger
 from ddp_course.tools.records import write_results
 
@@ -70,10 +69,8 @@ class SyncBatchNorm(nn.BatchNorm1d):
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batch-size", type=int, default=8, help="samples per rank")
+    p = script_parser(__doc__, batch_size=8, results=None, help={"batch_size": "samples per rank"})
     p.add_argument("--channels", type=int, default=6)
-    p.add_argument("--results", help="write the measurements here as JSON (rank 0)")
     return p.parse_args()
 
 

@@ -25,7 +25,6 @@ m in 1, 2, 4, 8, plus a real-compute run on 2 ranks, and writes all of it to
 for every schedule and m, the run with the least idle time.
 """
 
-import argparse
 import os
 
 import torch
@@ -34,21 +33,24 @@ from torch.nn.functional import cross_entropy
 
 from ddp_course import pipeline
 from ddp_course.harness import launch
+from ddp_course.harness.script_args import script_parser
 from ddp_course.models import LayerStack
 from ddp_course.runtime import distributed, get_logger
 from ddp_course.tools.records import write_results
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    meaning = {
+        "batch_size": "samples per step (all stages)",
+        "hidden": "features between the layers",
+    }
+    p = script_parser(__doc__, batch_size=32, hidden=64, results=None, help=meaning)
     p.add_argument("--schedule", nargs="+", choices=pipeline.SCHEDULES,
                    default=list(pipeline.SCHEDULES), help="schedules to run")  # fmt: skip
     p.add_argument("--microbatches", type=int, nargs="+", default=[4],
                    help="numbers of micro-batches m (1F1B only where m >= stages)")  # fmt: skip
     p.add_argument("--stage-cost-s", type=float, default=0.05,
                    help="seconds each forward sleeps (backward 2x); 0: compute only")  # fmt: skip
-    p.add_argument("--batch-size", type=int, default=32, help="samples per step (all stages)")
-    p.add_argument("--hidden", type=int, default=64, help="features between the layers")
     p.add_argument("--layers", type=int, default=4, help="hidden layers of the layer stack")
     p.add_argument("--no-torch", action="store_true",
                    help="skip the comparison with torch.distributed.pipelining")  # fmt: skip
@@ -56,7 +58,6 @@ def parse_args():
     p.add_argument("--sweep-stages", type=int, nargs="+", default=[2, 3, 4])
     p.add_argument("--sweep-repeats", type=int, default=2,
                    help="runs of each sleeping job; the least idle one is kept")  # fmt: skip
-    p.add_argument("--results", help="write the measurements here as JSON (rank 0)")
     return p.parse_args()
 
 

@@ -17,8 +17,6 @@ the all-reduces of both with CommDebugMode and the bytes of ours with the
 course's CollectiveLog, and writes them to --results (rank 0).
 """
 
-import argparse
-
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -28,6 +26,7 @@ from torch.nn.functional import mse_loss
 
 from ddp_course import comm_cost
 from ddp_course import tensor_parallel as tp
+from ddp_course.harness.script_args import script_parser
 from ddp_course.models import FeedForward
 from ddp_course.runtime import distributed, get_logger
 from ddp_course.tools.collective_log import CollectiveLog
@@ -35,12 +34,9 @@ from ddp_course.tools.records import write_results
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--d-model", type=int, default=64, help="features in and out of a block")
-    p.add_argument("--hidden", type=int, default=256, help="hidden features (split over ranks)")
+    meaning = {"hidden": "hidden features (split over ranks)", "batch_size": "samples (not split)"}
+    p = script_parser(__doc__, d_model=64, hidden=256, batch_size=32, results=None, help=meaning)
     p.add_argument("--blocks", type=int, default=2, help="MLP blocks in the stack")
-    p.add_argument("--batch-size", type=int, default=32, help="samples (not split)")
-    p.add_argument("--results", help="write the measurements here as JSON (rank 0)")
     return p.parse_args()
 
 

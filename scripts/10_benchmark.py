@@ -36,7 +36,6 @@ falls on all of them alike. Rank 0 writes the rows as JSON and CSV (same
 name, .csv) with the machine, versions, load average and this command.
 """
 
-import argparse
 import dataclasses
 import json
 import os
@@ -52,6 +51,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from ddp_course.ddp import BucketedDDP
+from ddp_course.harness.script_args import script_parser
 from ddp_course.models import LayerStack
 from ddp_course.runtime import barrier, distributed, get_logger
 from ddp_course.tools.bench import (
@@ -83,23 +83,26 @@ TINY = {"min_bytes": 4096, "max_bytes": 65536, "repeats": 2, "warmup": 1, "hidde
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    meaning = {
+        "hidden": "LayerStack width (the model)",
+        "batch_size": "samples per rank (strong: global)",
+        "steps": "profiled steps per setting (trace)",
+        "results": "write the rows here as JSON, and as CSV beside it",
+    }
+    p = script_parser(
+        __doc__, hidden=1024, batch_size=32, steps=3, no_progress=False, results=None, help=meaning
+    )
     p.add_argument("modes", nargs="+", choices=[*MODES, "all"], help="what to measure")
     p.add_argument("--min-bytes", type=int, default=4096, help="smallest message (collectives)")
     p.add_argument("--max-bytes", type=int, default=64 * 2**20, help="largest message")
     p.add_argument("--warmup", type=int, default=2, help="untimed iterations per setting")
     p.add_argument("--repeats", type=int, default=10, help="timed iterations per setting")
-    p.add_argument("--hidden", type=int, default=1024, help="LayerStack width (the model)")
     p.add_argument("--layers", type=int, default=6, help="LayerStack hidden layers")
-    p.add_argument("--batch-size", type=int, default=32, help="samples per rank (strong: global)")
     p.add_argument("--caps", type=float, nargs="+", default=[0.5, 1, 2, 5, 10, 25, 50],
                    help="bucket_cap_mb values (knobs, model)")  # fmt: skip
     p.add_argument("--accum", type=int, default=4, help="micro-batches per step (no_sync)")
-    p.add_argument("--steps", type=int, default=3, help="profiled steps per setting (trace)")
     p.add_argument("--chrome-trace", help="keep rank 0's trace of torch's DDP here (trace)")
     p.add_argument("--tiny", action="store_true", help="tiny sizes and repeats: seconds")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--results", help="write the rows here as JSON, and as CSV beside it")
     args = p.parse_args()
     if args.tiny:
         for k, v in TINY.items():
@@ -166,15 +169,22 @@ def collective_fn(name, nbytes, ctx):
     }[name], numel * 4
 
 
+def timed(desc, settings, ctx, args, active=None) -> dict:
+    """``time_interleaved`` of ``settings`` (``--warmup``, ``--repeats``) under a progress
+    bar named ``desc``; ``active(name)``: whether this rank takes part in that setting."""
+    with tqdm(total=len(settings) * args.repeats, desc=desc, disable=args.hide) as bar:
+        return time_interleaved(
+            settings, ctx, args.warmup, args.repeats, active=active, progress=bar.update
+        )
+
+
 def run_collectives(ctx, args, log):
     sizes = message_sizes(args.min_bytes, args.max_bytes, 4)
     settings, nbytes = {}, {}
     for name in COLLECTIVES:
         for size in sizes:
             settings[(name, size)], nbytes[(name, size)] = collective_fn(name, size, ctx)
-    bar = tqdm(total=len(settings) * args.repeats, desc="collectives", disable=args.hide)
-    times = time_interleaved(settings, ctx, args.warmup, args.repeats, progress=bar.update)
-    bar.close()
+    times = timed("collectives", settings, ctx, args)
     rows = []
     for (name, size), ts in times.items():
         s, b = nbytes[(name, size)], stats(ts)
@@ -229,16 +239,7 @@ def run_scaling(ctx, args, log):
     per_rank_batch[plain] = len(x)
     step = sgd_step_fn(make_model(args, ctx.device), x, y)
     settings[plain] = with_threads(1, step)
-    bar = tqdm(total=len(settings) * args.repeats, desc="scaling", disable=args.hide)
-    times = time_interleaved(
-        settings,
-        ctx,
-        args.warmup,
-        args.repeats,
-        progress=bar.update,
-        active=lambda k: ctx.rank < where[k],
-    )
-    bar.close()
+    times = timed("scaling", settings, ctx, args, active=lambda k: ctx.rank < where[k])
     rows = []
     for (kind, n, threads), ts in times.items():
         b = per_rank_batch[(kind, n, threads)]
@@ -293,9 +294,7 @@ def run_knobs(ctx, args, log):
                                                     accum=args.accum)  # fmt: skip
     settings["no_sync"] = sgd_step_fn(DDP(make_model(args, dev)), xs, ys, accum=args.accum,
                                      no_sync=True)  # fmt: skip
-    bar = tqdm(total=len(settings) * args.repeats, desc="knobs", disable=args.hide)
-    times = time_interleaved(settings, ctx, args.warmup, args.repeats, progress=bar.update)
-    bar.close()
+    times = timed("knobs", settings, ctx, args)
     rows = [{"mode": "knobs", "setting": name, "world_size": ctx.world_size, **stats(ts)}
             for name, ts in times.items()]  # fmt: skip
     med = {r["setting"]: r["median_s"] for r in rows}
@@ -396,16 +395,7 @@ def run_model(ctx, args, log):
     if n > 1:
         late = BucketedDDP(make_model(args, dev), bucket_cap_mb=probe, overlap=False)
         settings[("no overlap", probe)] = sgd_step_fn(late, x, y)
-    bar = tqdm(total=len(settings) * args.repeats, desc="model", disable=args.hide)
-    times = time_interleaved(
-        settings,
-        ctx,
-        args.warmup,
-        args.repeats,
-        progress=bar.update,
-        active=lambda k: k[0] != "alone" or first,
-    )
-    bar.close()
+    times = timed("model", settings, ctx, args, active=lambda k: k[0] != "alone" or first)
     alone = {
         k: rank0_medians(ctx, phases.get(("alone", k)), args.warmup) for k in ["plain", *args.caps]
     }

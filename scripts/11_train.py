@@ -40,6 +40,7 @@ from ddp_course.checkpoint import (
     unwrap,
 )
 from ddp_course.data import MNIST_MEAN, MNIST_STD, load_mnist
+from ddp_course.harness.script_args import script_parser
 from ddp_course.models import MLP
 from ddp_course.runtime import DistContext, distributed, get_logger, seed_everything
 from ddp_course.tools.records import write_results
@@ -47,12 +48,9 @@ from ddp_course.training import evaluate
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--epochs", type=int, default=2, help="passes over the 4,000 digits")
-    p.add_argument("--batch-size", type=int, default=32, help="samples per step per rank")
-    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (momentum 0.9)")
-    p.add_argument("--seed", type=int, default=0, help="the same on every rank")
-    p.add_argument("--checkpoint", help="snapshot file: resume from it, save to it")
+    meaning = {"epochs": "passes over the 4,000 digits", "lr": "SGD learning rate (momentum 0.9)"}
+    p = script_parser(__doc__, epochs=2, batch_size=32, lr=0.05, seed=0, checkpoint=None,
+                      results=None, help=meaning)  # fmt: skip
     p.add_argument("--checkpoint-every", type=int, default=0,
                    help="also save every N steps (0: at epoch ends only)")  # fmt: skip
     p.add_argument("--die-at-step", type=int, help="global step at which --die-rank is killed")
@@ -71,7 +69,6 @@ def parse_args() -> argparse.Namespace:
         help="after each epoch, wait up to 60 s while the world is smaller than N"
         " (a long job that a node joins midway)",
     )
-    p.add_argument("--results", help="write a JSON summary here (rank 0)")
     args = p.parse_args()
     for name in ("epochs", "batch_size"):
         if getattr(args, name) < 1:

@@ -37,7 +37,6 @@ rank's device. Rank 0 writes --results after every lab, so the labs before a
 failing one keep their findings.
 """
 
-import argparse
 import datetime
 import io
 import os
@@ -50,6 +49,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
 from ddp_course.ddp import average_gradients
+from ddp_course.harness.script_args import script_parser
 from ddp_course.models import MLP
 from ddp_course.runtime import distributed, get_logger
 from ddp_course.tools import debug
@@ -59,13 +59,11 @@ LABS = ("mismatch", "rank0_only", "unused", "shapes", "set_epoch", "divergent")
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = script_parser(__doc__, timeout_s=5.0, results=None)
     p.add_argument("--lab", nargs="+", choices=LABS, required=True, help="labs to run, in order")
     p.add_argument("--fixed", action="store_true", help="run the fixed version")
-    p.add_argument("--timeout-s", type=float, default=5.0, help="collective timeout (seconds)")
     p.add_argument("--monitored", action="store_true", help="rank0_only: monitored_barrier")
     p.add_argument("--flight-recorder", metavar="DIR", help="dump the flight recorder here")
-    p.add_argument("--results", help="write the findings here as JSON (rank 0)")
     return p.parse_args()
 
 

@@ -20,7 +20,6 @@ everything, writes it to --results (JSON) and, with --tb-dir, to TensorBoard
 (tensorboard --logdir build/12_tb).
 """
 
-import argparse
 import time
 
 import torch
@@ -29,6 +28,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from ddp_course.harness.script_args import script_parser
 from ddp_course.models import MLP
 from ddp_course.runtime import distributed, get_logger
 from ddp_course.tools import monitor
@@ -36,14 +36,11 @@ from ddp_course.tools.records import write_results
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=8, help="training steps")
-    p.add_argument("--batch-size", type=int, default=32, help="samples per rank per step")
+    p = script_parser(__doc__, steps=8, batch_size=32, results=None)
     p.add_argument("--slow-rank", type=int, default=-1, help="the slow rank (-1: the last)")
     p.add_argument("--sleep-s", type=float, default=0.05, help="its extra seconds per step")
     p.add_argument("--profile-step", type=int, default=3, help="the step run under the profiler")
     p.add_argument("--tb-dir", help="write TensorBoard event files here (rank 0)")
-    p.add_argument("--results", help="write the gathered metrics here as JSON (rank 0)")
     return p.parse_args()
 
 

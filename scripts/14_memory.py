@@ -39,7 +39,6 @@ one process trained on every rank's batch. Rank 0 writes
 --results.
 """
 
-import argparse
 import contextlib
 import math
 import statistics
@@ -54,6 +53,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from ddp_course import activation_memory as am
 from ddp_course import recompute_policies, step_budget
 from ddp_course.data import lm_batch, shakespeare_bytes
+from ddp_course.harness.script_args import script_parser
 from ddp_course.models import TinyGPT, lm_loss
 from ddp_course.runtime import distributed, get_logger
 from ddp_course.tools.collective_log import CollectiveLog
@@ -63,19 +63,17 @@ from ddp_course.tools.saved_tensors import SavedTensorCounter
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--d-model", type=int, default=64, help="model width")
-    p.add_argument("--n-heads", type=int, default=4, help="attention heads")
-    p.add_argument("--n-layers", type=int, default=2, help="Transformer blocks")
-    p.add_argument("--seq-len", type=int, default=32, help="tokens per sequence")
-    p.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
+    meaning = {
+        "batch_size": "sequences per rank per step",
+        "steps": "timed steps per policy (median)",
+        "seed": "seeds the weights and dropout",
+    }
+    p = script_parser(__doc__, d_model=64, n_heads=4, n_layers=2, seq_len=32, batch_size=4,
+                      steps=3, seed=0, results=None, help=meaning)  # fmt: skip
     p.add_argument("--dropout", type=float, default=0.1, help="dropout probability")
     policies = recompute_policies.POLICIES
     p.add_argument("--policy", nargs="+", choices=policies, default=list(policies),
                    help="checkpointing policies to measure")  # fmt: skip
-    p.add_argument("--steps", type=int, default=3, help="timed steps per policy (median)")
-    p.add_argument("--seed", type=int, default=0, help="seeds the weights and dropout")
-    p.add_argument("--results", help="write the measurements here as JSON (rank 0)")
     return p.parse_args()
 
 

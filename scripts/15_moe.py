@@ -28,7 +28,6 @@ for each --aux-weights value, and the script reports the tokens per expert.
 Results go to --results (rank 0).
 """
 
-import argparse
 import contextlib
 from collections import Counter
 
@@ -41,6 +40,7 @@ from ddp_course import expert_data_parallel as epdp
 from ddp_course import expert_parallel as ep
 from ddp_course import expert_parallel_dropless as dropless
 from ddp_course.data import lm_batch, shakespeare_bytes
+from ddp_course.harness.script_args import script_parser
 from ddp_course.models import FeedForward, lm_loss
 from ddp_course.runtime import distributed, get_logger
 from ddp_course.tools.collective_log import CollectiveLog
@@ -48,9 +48,14 @@ from ddp_course.tools.records import write_results
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--d-model", type=int, default=16, help="features in and out of the layer")
-    p.add_argument("--hidden", type=int, default=32, help="hidden features of each expert")
+    meaning = {
+        "d_model": "features in and out of the layer",
+        "hidden": "hidden features of each expert",
+        "batch_size": "sequences per rank per step",
+        "steps": "training steps in part 2",
+    }
+    p = script_parser(__doc__, d_model=16, hidden=32, batch_size=8, seq_len=32, steps=60,
+                      lr=1e-2, seed=0, results=None, help=meaning)  # fmt: skip
     p.add_argument("--experts", type=int, default=4, help="E, a multiple of the world size")
     p.add_argument("--k", type=int, default=2, help="experts per token in part 1")
     p.add_argument("--capacity-factor", type=float, default=1.0, help="part 1's capacity factor")
@@ -58,16 +63,10 @@ def parse_args():
     p.add_argument("--ep-ranks", type=int, default=0,
                    help="ranks per expert-parallel group, EP x DP check (0: all)")  # fmt: skip
     p.add_argument("--ep-dp-steps", type=int, default=3, help="SGD steps of the EP x DP check")
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
-    p.add_argument("--seq-len", type=int, default=32, help="tokens per sequence")
-    p.add_argument("--steps", type=int, default=60, help="training steps in part 2")
     p.add_argument("--router-skew", type=float, default=0.3,
                    help="part 2 starts with the router leaning to expert 0")  # fmt: skip
-    p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--aux-weights", type=float, nargs="*", default=[0.0, 0.1],
                    help="load-balancing loss weights for part 2 (none: skip it)")  # fmt: skip
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--results", help="write the measurements here as JSON (rank 0)")
     return p.parse_args()
 
 

@@ -10,5 +10,6 @@ several nodes; ``cli`` is ``python -m ddp_course``; ``gpu_check`` runs the cours
 GPU machine (its plan in :mod:`.gpu_plan`, its pytest reports in :mod:`.gpu_reports`,
 its record and exit status in :mod:`.gpu_summary`, the notebooks' launches read by
 :mod:`.launch_scan` and :mod:`.notebook_values`); ``notebook`` holds the helpers every
-lesson's cells use.
+lesson's cells use; ``script_args`` the flags every script spells one way and the
+parser that adds them.
 """

@@ -4,7 +4,9 @@ flag that two scripts share means the same thing in both, spelled one way.
 The flags are read from each script as it runs: its ``main()`` is called with
 ``argparse`` recording every ``add_argument`` and stopping at ``parse_args``, so the
 test sees the parser the script really builds (also one built by a helper such as
-``TrainConfig.parser``).
+``TrainConfig.parser`` or ``ddp_course.harness.script_args.script_parser``). The contract
+itself, each shared flag with its type and the spellings it replaces, is
+``script_args.CONTRACT``.
 """
 
 import argparse
@@ -17,35 +19,15 @@ from unittest import mock
 
 import pytest
 
+from ddp_course.harness.script_args import CONTRACT, script_parser
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPTS = sorted((ROOT / "scripts").glob("[0-9][0-9]_*.py"))
 
-# The shared flags and the type argparse converts each to (bool: a switch).
-CONTRACT = {
-    "--batch-size": int,  # samples per rank per step
-    "--hidden": int,  # features of a hidden layer
-    "--epochs": int,
-    "--steps": int,
-    "--lr": float,
-    "--seed": int,
-    "--timeout-s": float,  # the process group's timeout, seconds
-    "--checkpoint": str,  # save to it, resume from it
-    "--results": str,  # the results file, rank 0
-    # A Transformer's shape (TinyGPT's arguments, spelled as flags).
-    "--d-model": int,
-    "--n-heads": int,
-    "--n-layers": int,
-    "--seq-len": int,
-}
-# Spellings the contract has one word for.
-SYNONYMS = {
-    "--batch": "--batch-size", "--bs": "--batch-size", "--num-steps": "--steps",
-    "--n-steps": "--steps", "--iters": "--steps", "--learning-rate": "--lr",
-    "--timeout": "--timeout-s", "--ckpt": "--checkpoint", "--output": "--results",
-    "--out": "--results", "--json": "--results", "--heads": "--n-heads",
-    "--num-heads": "--n-heads", "--num-layers": "--n-layers", "--n-embd": "--d-model",
-    "--dim": "--d-model", "--block-size": "--seq-len", "--seq-length": "--seq-len",
-}  # fmt: skip
+# The shared flags (with the type argparse converts each to: bool, a switch) and the
+# spellings the contract has one word for, from the contract's one home.
+TYPES = {name: flag.type for name, flag in CONTRACT.items()}
+SYNONYMS = {other: name for name, flag in CONTRACT.items() for other in flag.synonyms}
 
 
 class _Parsed(Exception):
@@ -110,8 +92,8 @@ def test_shared_flags_are_spelled_and_typed_as_the_contract_says(script):
         assert "--layers" not in flags, f"{script.name}: a Transformer's blocks are --n-layers"
     underscores = [flag for flag in flags if "_" in flag]
     assert not underscores, f"{script.name}: flags use hyphens: {underscores}"
-    types = {flag: _converts_to(flags[flag]) for flag in flags if flag in CONTRACT}
-    off = {flag: kind.__name__ for flag, kind in types.items() if kind is not CONTRACT[flag]}
+    types = {flag: _converts_to(flags[flag]) for flag in flags if flag in TYPES}
+    off = {flag: kind.__name__ for flag, kind in types.items() if kind is not TYPES[flag]}
     assert not off, f"{script.name}: these flags convert to the wrong type: {off}"
 
 
@@ -138,3 +120,33 @@ def test_the_contract_test_sees_a_wrong_spelling(tmp_path):
     typed.write_text(script.read_text().replace("'--heads'", "'--n-heads'"))
     with pytest.raises(AssertionError, match="wrong type.*--lr"):
         test_shared_flags_are_spelled_and_typed_as_the_contract_says(typed)
+
+
+def test_script_parser_adds_the_contract_flags_it_names_at_the_scripts_defaults():
+    parser = script_parser(
+        "One line.\n\nMore.", steps=3, results=None, no_progress=False,
+        help={"steps": "SGD steps per case"},
+    )  # fmt: skip
+    assert parser.description == "One line."
+    assert vars(parser.parse_args([])) == {"steps": 3, "results": None, "no_progress": False}
+    args = parser.parse_args(["--steps", "5", "--no-progress", "--results", "r.json"])
+    assert vars(args) == {"steps": 5, "results": "r.json", "no_progress": True}
+    usage = parser.format_help()
+    assert "SGD steps per case" in usage and CONTRACT["--results"].help in usage
+    assert "--steps STEPS" in usage and "--results PATH" in usage  # the unit names the value
+    for wrong in ({"batch": 4}, {"no_progress": True}, {"help": {"lr": "a rate"}}):
+        with pytest.raises(TypeError):
+            script_parser("x", **wrong)
+
+
+def test_the_contract_test_sees_the_flags_script_parser_adds(tmp_path):
+    script = tmp_path / "99_built.py"
+    script.write_text(
+        "from ddp_course.harness.script_args import script_parser\n\ndef main():\n"
+        "    p = script_parser('built', steps=2, lr=0.1)\n"
+        "    p.add_argument('--iters', type=int)\n    p.parse_args()\n\n"
+        "if __name__ == '__main__':\n    main()\n"
+    )
+    assert set(script_flags(script)) == {"--steps", "--lr", "--iters"}
+    with pytest.raises(AssertionError, match="--iters"):
+        test_shared_flags_are_spelled_and_typed_as_the_contract_says(script)
