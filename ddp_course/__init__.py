@@ -12,11 +12,14 @@ bucketed, overlapped with backward), ``pipeline`` (schedules, their simulation a
 their execution), ``tensor_parallel`` (Megatron-LM's column- and row-parallel MLP and attention),
 ``sequence_parallel`` (sequence parallelism and tensor-parallel Transformer
 blocks), ``parallel_gpt`` (TinyGPT split over tensor-parallel ranks and gathered
-back whole), ``parallel_rng`` (dropout random numbers per region and rank),
+back whole) with ``parallel_gpt_runs`` (its training against one process, the
+labs), ``parallel_rng`` (dropout random numbers per region and rank),
 ``mesh_layouts`` (TinyGPT's layouts on a device mesh with PyTorch's own
-parallelisms), ``mesh_model`` (a layout's training step) and ``mesh_predictions``
+parallelisms), ``mesh_model`` (a layout's training step), ``mesh_runs`` (training a
+layout against one process, the checkpoint round trip) and ``mesh_predictions``
 (what each layout holds and runs, and what a tensor-parallel block saves),
-``sharding`` (ZeRO stages 1-3 and their memory and traffic),
+``sharding`` (ZeRO stages 1-3 and their memory and traffic), ``fsdp`` (FSDP as a
+module wrapper whose parameters are this rank's shards, as FSDP2 does),
 ``activation_memory``, ``activation_checkpoint``, ``recompute_policies`` and
 ``step_budget`` (what a step saves for backward, recomputing it, and a step's budget),
 ``context_parallel`` (placement and masks, blockwise attention, the ring
@@ -28,10 +31,12 @@ groups), ``checkpoint``,
 
 Two subpackages hold the rest: ``tools`` measures and diagnoses a job
 (``collective_log``, ``bench``, ``scaling``, ``trace``, ``monitor``, ``debug``,
-``flops``, ``saved_tensors``, ``op_counts``, ``peak_memory``, ``kineto_log``);
+``flops``, ``saved_tensors``, ``op_counts``, ``peak_memory``, ``kineto_log``,
+``mesh_counts``, ``mesh_suite``, ``parallel_gpt_counts``, ``zero_counts``, ``fsdp_units``);
 ``harness`` runs the course (``launch`` and its parts, ``restarts``, ``multinode``,
 ``netns``, ``slurm`` and their parts, the command line ``cli``, ``gpu_check`` and its
-parts, and the notebooks' ``notebook`` helpers).
+parts, the scripts' shared flags ``script_args``, and the notebooks' ``notebook``
+helpers).
 """
 
 __version__ = "0.1.0"
