@@ -28,6 +28,7 @@ from ..mesh_model import MeshModel
 from ..mesh_runs import adamw, my_slice, new_model
 from . import flops
 from .collective_log import CollectiveLog
+from .zero_counts import held_state_bytes, storage_bytes
 
 __all__ = [
     "count_kept_gathered",
@@ -88,19 +89,17 @@ def count_step(mm, x: torch.Tensor, y: torch.Tensor):
 def tensor_bytes(tensors) -> int:
     """Bytes of the tensors this rank holds: local shards for ``DTensor`` s.
 
+    :func:`~ddp_course.tools.zero_counts.storage_bytes` with ``per_tensor=True``: lesson
+    13's formulas count the elements of each shard, while FSDP2 keeps a shard in a
+    buffer padded to an even split, which the storage's bytes would include.
+
     Args:
         tensors: an iterable of tensors (``None`` skipped).
 
     Returns:
         Sum of ``numel * element_size`` of each tensor's local part, in bytes.
     """
-    total = 0
-    for t in tensors:
-        if t is None:
-            continue
-        local = t.to_local() if hasattr(t, "to_local") else t
-        total += local.numel() * local.element_size()
-    return total
+    return storage_bytes(tensors, per_tensor=True)
 
 
 def counted_step(counts: dict, at: int = 1):
@@ -122,8 +121,10 @@ def counted_step(counts: dict, at: int = 1):
 def memory_row(lay: ml.Layout, mm, ctx, config: dict, dtype: torch.dtype, batch,
                lr: float) -> dict:  # fmt: skip
     """Bytes this rank holds after one AdamW step of ``mm`` on its slice of ``batch``,
-    measured (:func:`tensor_bytes`: parameters, gradients, AdamW's two states without the
-    ``step`` counters) and from :func:`~ddp_course.mesh_predictions.expected_memory_bytes`.
+    measured (:func:`~ddp_course.tools.zero_counts.held_state_bytes` per tensor, as
+    :func:`tensor_bytes` counts: parameters, gradients, AdamW's two states; its ``"steps"``
+    left out, as the formula leaves them out) and from
+    :func:`~ddp_course.mesh_predictions.expected_memory_bytes`.
 
     Returns:
         ``{"layout", "rank", "held": {"params", "grads", "optimizer"}, "formula": the same
@@ -132,10 +133,8 @@ def memory_row(lay: ml.Layout, mm, ctx, config: dict, dtype: torch.dtype, batch,
     opt = adamw(mm.module.parameters(), lr)
     mm.forward_backward(*my_slice(batch, mm.mesh, lay.dp))
     opt.step()
-    params = list(mm.module.parameters())
-    states = [t for s in opt.state.values() for k, t in s.items() if k != "step"]
-    held = {"params": tensor_bytes(params), "grads": tensor_bytes(p.grad for p in params),
-            "optimizer": tensor_bytes(states)}  # fmt: skip
+    held = held_state_bytes(mm.module.parameters(), opt, per_tensor=True)
+    del held["steps"]  # 4 bytes a tensor, not in expected_memory_bytes
     whole = new_model(config, dtype, ctx.device, 0)  # the unsplit shapes, for the formula
     formula = predict.expected_memory_bytes(whole, lay, dtype.itemsize, mm.stage_index)
     return {"layout": lay.name, "rank": ctx.rank, "held": held, "formula": formula}
