@@ -61,22 +61,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .collectives import all_gather_single, reduce_scatter_single
 from .ddp import broadcast_state, check_same_shapes
 from .partition import partition
 from .runtime import require_group
 
 __all__ = ["FSDP", "GatherUnit", "StepTraffic", "Unit", "unit_numel"]
-
-
-def _all_gather(out: torch.Tensor, piece: torch.Tensor, group: Any) -> None:
-    # Looked up at each call, so a log that wraps torch.distributed's functions sees it.
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, piece, group=group)
-
-
-def _reduce_scatter(out: torch.Tensor, full: torch.Tensor, group: Any) -> None:
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(out, full, op=dist.ReduceOp.SUM, group=group)
 
 
 def unit_numel(shapes: list[torch.Size], world_size: int) -> int:
@@ -157,7 +147,7 @@ class Unit:
         for p, off in zip(self.params, self.offsets):
             piece[off : off + p.shard.numel()] = p.shard.detach().reshape(-1)
         out = piece.new_empty(self.fsdp.world_size * self.piece)
-        _all_gather(out, piece, self.fsdp.group)
+        all_gather_single(out, piece, self.fsdp.group)
         return out.view(self.fsdp.world_size, self.piece)
 
     def reduce_scatter(self, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:
@@ -179,7 +169,7 @@ class Unit:
                 padded[: p.rows] = g.reshape(p.rows, p.row)
                 full[:, off : off + p.t * p.row] = padded.view(n, p.t * p.row)
         out = full.new_empty(self.grad_piece)
-        _reduce_scatter(out, full.view(-1), self.fsdp.group)
+        reduce_scatter_single(out, full.view(-1), self.fsdp.group)
         out /= n
         shard_grads = {
             id(p): out[off : off + (p.end - p.start) * p.row].view(p.shard.shape)
@@ -424,11 +414,11 @@ class FSDP(nn.Module):
         (module docstring; all-gathers in ``compute_dtype``, reduce-scatters in the
         parameters' dtype)."""
         gathers = gather_bytes = scatters = scatter_bytes = 0
+        gathered = self.unit_bytes()
         for u in self.units:
-            dtype = self.compute_dtype or u.params[0].shard.dtype
             times = 2 if self.reshard_after_forward and not u.is_root else 1
             gathers += times
-            gather_bytes += times * self.world_size * u.piece * dtype.itemsize
+            gather_bytes += times * gathered[u.name]
             if u.grad_piece:
                 scatters += 1
                 scatter_bytes += self.world_size * u.grad_piece * u.params[0].shard.element_size()

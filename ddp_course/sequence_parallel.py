@@ -55,7 +55,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional
 
-from .collectives import group_rank_and_size
+from .collectives import all_gather_single, group_rank_and_size, reduce_scatter_single
 from .parallel_rng import ParallelRNG, dropout_masks, region_seed
 from .tensor_parallel import ColumnParallelLinear, ParallelAttention, ParallelFeedForward
 
@@ -93,9 +93,7 @@ def _all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.T
     _, n = group_rank_and_size(group, _NEEDS)
     # Ranks' tensors stacked along dimension 0: [N B, t, d], seen as [N, B, t, d].
     out = x.new_empty((n * x.shape[0], *x.shape[1:]))
-    # all_gather_single (torch >= 2.13) is the new name of all_gather_into_tensor.
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, x.contiguous(), group=group)
+    all_gather_single(out, x.contiguous(), group=group)
     return out.unflatten(0, (n, -1)).movedim(0, SEQ_DIM).flatten(SEQ_DIM, SEQ_DIM + 1)
 
 
@@ -105,8 +103,7 @@ def _reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup | None) -> tor
     _check_seq(x.shape[SEQ_DIM], n)
     parts = x.unflatten(SEQ_DIM, (n, -1)).movedim(SEQ_DIM, 0).contiguous()  # [N, B, t, d]
     out = x.new_empty(parts.shape[1:])
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    scatter(out, parts.flatten(0, 1), group=group)  # rank r receives the sum of parts[r]
+    reduce_scatter_single(out, parts.flatten(0, 1), group=group)  # rank r: the sum of parts[r]
     return out
 
 

@@ -46,14 +46,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .collectives import all_gather_single, reduce_scatter_single
 from .ddp import broadcast_state, check_same_shapes
 from .partition import check_rank, partition
 from .runtime import require_group
-
-# PyTorch 2.13 renamed all_gather_into_tensor and reduce_scatter_tensor (same
-# arguments); the course supports torch >= 2.11, which may have only the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 __all__ = [
     "FP32_ADAM",
@@ -286,7 +282,7 @@ class ZeRO(nn.Module):
         piece = torch.zeros(sharded.slot, dtype=sharded.shard.dtype, device=sharded.shard.device)
         piece[: sharded.end - sharded.start] = sharded.shard.detach()
         out = piece.new_empty(sharded.slot * self.world_size)
-        _all_gather_single(out, piece, group=self.group)
+        all_gather_single(out, piece, group=self.group)
         self.comm.calls.append(("all_gather", sharded.numel * piece.element_size()))
         return out[: sharded.numel]
 
@@ -295,7 +291,7 @@ class ZeRO(nn.Module):
         padded = grad.new_zeros(sharded.slot * self.world_size)
         padded[: sharded.numel] = grad.reshape(-1)
         out = grad.new_empty(sharded.slot)
-        _reduce_scatter_single(out, padded, op=dist.ReduceOp.SUM, group=self.group)
+        reduce_scatter_single(out, padded, group=self.group)
         self.comm.calls.append(("reduce_scatter", sharded.numel * grad.element_size()))
         return out[: sharded.end - sharded.start] / self.world_size
 

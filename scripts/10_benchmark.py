@@ -50,6 +50,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
+from ddp_course.collectives import all_gather_single, reduce_scatter_single
 from ddp_course.ddp import BucketedDDP
 from ddp_course.harness.script_args import script_parser
 from ddp_course.models import LayerStack
@@ -158,12 +159,10 @@ def collective_fn(name, nbytes, ctx):
     full = torch.ones(numel, device=dev)
     part = torch.ones(numel // n, device=dev)
     out = torch.empty_like(full)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return {
         "all_reduce": lambda: dist.all_reduce(full),
-        "all_gather": lambda: gather(out, part),
-        "reduce_scatter": lambda: scatter(part, full),
+        "all_gather": lambda: all_gather_single(out, part),
+        "reduce_scatter": lambda: reduce_scatter_single(part, full),
         "broadcast": lambda: dist.broadcast(full, src=0),
         "all_to_all": lambda: dist.all_to_all_single(out, full),
     }[name], numel * 4
