@@ -6,8 +6,8 @@ collectives counted per phase and mesh dimension by the course's one collective 
 DTensor's functional collectives (tensor parallelism), the bucket all-reduces DDP's C++
 reducer issues and the pipeline's sends and receives alike; :func:`counted_step` does it
 for one step inside :func:`ddp_course.mesh_runs.train`, :func:`count_kept_gathered` for
-FSDP x TP keeping its gathered parameters. :func:`tensor_bytes` adds up the bytes of the
-tensors a rank holds, :func:`memory_row` those of a layout after one AdamW step.
+FSDP x TP keeping its gathered parameters. :func:`memory_row` adds up the bytes a rank
+holds after one AdamW step of a layout.
 :mod:`ddp_course.mesh_predictions` says what both should be. :func:`synced_clock` reads the
 time once a GPU has done its work; :func:`speed` turns step times into tokens/s and
 :func:`mfu_fields` into MFU (:mod:`ddp_course.tools.flops`).
@@ -28,7 +28,7 @@ from ..mesh_model import MeshModel
 from ..mesh_runs import adamw, my_slice, new_model
 from . import flops
 from .collective_log import CollectiveLog
-from .zero_counts import held_state_bytes, storage_bytes
+from .zero_counts import held_state_bytes
 
 __all__ = [
     "count_kept_gathered",
@@ -38,7 +38,6 @@ __all__ = [
     "mfu_fields",
     "speed",
     "synced_clock",
-    "tensor_bytes",
 ]
 
 
@@ -86,22 +85,6 @@ def count_step(mm, x: torch.Tensor, y: torch.Tensor):
     return (local / mm.layout.dp).item(), seen
 
 
-def tensor_bytes(tensors) -> int:
-    """Bytes of the tensors this rank holds: local shards for ``DTensor`` s.
-
-    :func:`~ddp_course.tools.zero_counts.storage_bytes` with ``per_tensor=True``: lesson
-    13's formulas count the elements of each shard, while FSDP2 keeps a shard in a
-    buffer padded to an even split, which the storage's bytes would include.
-
-    Args:
-        tensors: an iterable of tensors (``None`` skipped).
-
-    Returns:
-        Sum of ``numel * element_size`` of each tensor's local part, in bytes.
-    """
-    return storage_bytes(tensors, per_tensor=True)
-
-
 def counted_step(counts: dict, at: int = 1):
     """A ``step_fn`` for :func:`ddp_course.mesh_runs.train` that counts step ``at``'s
     collectives (:func:`count_step`) into ``counts``; the other steps run uncounted. The
@@ -121,9 +104,10 @@ def counted_step(counts: dict, at: int = 1):
 def memory_row(lay: ml.Layout, mm, ctx, config: dict, dtype: torch.dtype, batch,
                lr: float) -> dict:  # fmt: skip
     """Bytes this rank holds after one AdamW step of ``mm`` on its slice of ``batch``,
-    measured (:func:`~ddp_course.tools.zero_counts.held_state_bytes` per tensor, as
-    :func:`tensor_bytes` counts: parameters, gradients, AdamW's two states; its ``"steps"``
-    left out, as the formula leaves them out) and from
+    measured (:func:`~ddp_course.tools.zero_counts.held_state_bytes` with
+    ``per_tensor=True``: lesson 13's formulas count the elements of each shard, while FSDP2
+    keeps a shard in a buffer padded to an even split; parameters, gradients, AdamW's two
+    states, its ``"steps"`` left out, as the formula leaves them out) and from
     :func:`~ddp_course.mesh_predictions.expected_memory_bytes`.
 
     Returns:

@@ -11,7 +11,6 @@ from ddp_course import mesh_layouts as ml
 from ddp_course import mesh_predictions as predict
 from ddp_course.mesh_model import split_stages, token_mean_loss
 from ddp_course.models import TinyGPT
-from ddp_course.tools.mesh_counts import tensor_bytes
 
 TINY = dict(d_model=16, n_heads=4, n_layers=2, seq_len=16)
 
@@ -151,10 +150,6 @@ def test_token_mean_loss_wants_the_data_parallel_group():
         token_mean_loss(logits, y, dist.group.WORLD)  # named: accepted
     finally:
         dist.destroy_process_group()
-
-
-def test_tensor_bytes():
-    assert tensor_bytes([torch.zeros(3, dtype=torch.float64), None, torch.zeros(2)]) == 32
 
 
 def test_stages_keep_the_embeddings_dropout():
