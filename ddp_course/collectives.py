@@ -40,44 +40,16 @@ from .runtime import require_group
 __all__ = [
     "OPS",
     "SEGMENT_BYTES",
-    "all_gather_single",
     "group_rank_and_size",
     "parameter_server_all_reduce",
     "ring_all_gather",
     "ring_all_reduce",
     "ring_reduce_scatter",
     "ring_schedule",
-    "reduce_scatter_single",
 ]
 
 OPS = ("sum", "avg", "max", "min")
 """Reduction operations the hand-written collectives accept."""
-
-
-def all_gather_single(out: torch.Tensor, piece: torch.Tensor, group=None) -> None:
-    """PyTorch's all-gather into one tensor: every rank's ``piece`` (the same shape on
-    each), rank 0's first, concatenated along dim 0 into ``out`` (``[N * k, ...]`` for a
-    ``[k, ...]`` piece).
-
-    ``dist.all_gather_single`` since torch 2.13, ``dist.all_gather_into_tensor`` (the
-    same arguments) before; looked up at each call, so a log that wraps
-    ``torch.distributed``'s functions while it records sees it.
-    """
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, piece, group=group)
-
-
-def reduce_scatter_single(out: torch.Tensor, full: torch.Tensor, group=None) -> None:
-    """PyTorch's reduce-scatter from one tensor: ``full`` (``[N * k, ...]``, the same on
-    every rank in shape) summed over ranks, rank r receiving rows ``[r k, (r + 1) k)`` of
-    the sum in ``out`` (``[k, ...]``). Summed, not averaged: ``ReduceOp.AVG`` is not on
-    every backend, so callers divide by N.
-
-    ``dist.reduce_scatter_single`` since torch 2.13, ``dist.reduce_scatter_tensor``
-    before (see :func:`all_gather_single`).
-    """
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(out, full, op=dist.ReduceOp.SUM, group=group)
 
 
 def ring_schedule(world_size: int, phase: str) -> list[list[tuple[int, int]]]:

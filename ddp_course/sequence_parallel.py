@@ -55,7 +55,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional
 
-from .collectives import all_gather_single, group_rank_and_size, reduce_scatter_single
+from .builtin_collectives import all_gather_single, reduce_scatter_single
+from .collectives import group_rank_and_size
 from .parallel_rng import ParallelRNG, dropout_masks, region_seed
 from .tensor_parallel import ColumnParallelLinear, ParallelAttention, ParallelFeedForward
 

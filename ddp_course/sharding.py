@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .collectives import all_gather_single, reduce_scatter_single
+from .builtin_collectives import all_gather_single, reduce_scatter_single
 from .ddp import broadcast_state, check_same_shapes
 from .partition import check_rank, partition
 from .runtime import require_group

@@ -50,7 +50,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from ddp_course.collectives import all_gather_single, reduce_scatter_single
+from ddp_course.builtin_collectives import all_gather_single, reduce_scatter_single
 from ddp_course.ddp import BucketedDDP
 from ddp_course.harness.script_args import script_parser
 from ddp_course.models import LayerStack
