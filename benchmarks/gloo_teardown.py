@@ -30,8 +30,16 @@ def one_run(release: str | None, timeout_s: float) -> dict[str, object]:
     """One monitor job: ``{"hung": bool, "wall_s": float | None}``."""
     env = {} if release is None else {GLOO_RELEASE_ENV: release}
     try:
-        job = launch.torchrun("scripts/12_monitor.py", ["--steps", "4"], nproc=2, echo=False,
-                              gpus=0, fork_ranks=True, timeout_s=timeout_s, env=env)  # fmt: skip
+        job = launch.torchrun(
+            "scripts/12_monitor.py",
+            ["--steps", "4"],
+            nproc=2,
+            echo=False,
+            gpus=0,
+            fork_ranks=True,
+            timeout_s=timeout_s,
+            env=env,
+        )
     except launch.LaunchTimeout:
         return {"hung": True, "wall_s": None}
     return {"hung": False, "wall_s": job.wall_s}
@@ -55,10 +63,18 @@ def main() -> None:
         }
         for mode in MODES
     }
-    print(markdown_table(["mode", "runs", "hangs"],
-                         [[m, s["runs"], s["hangs"]] for m, s in summary.items()]))  # fmt: skip
-    write_results(None, args.results, {"release_s": GLOO_RELEASE_S, "summary": summary},
-                  rows=rows, args=vars(args))  # fmt: skip
+    print(
+        markdown_table(
+            ["mode", "runs", "hangs"], [[m, s["runs"], s["hangs"]] for m, s in summary.items()]
+        )
+    )
+    write_results(
+        None,
+        args.results,
+        {"release_s": GLOO_RELEASE_S, "summary": summary},
+        rows=rows,
+        args=vars(args),
+    )
 
 
 if __name__ == "__main__":

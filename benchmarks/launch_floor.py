@@ -28,9 +28,12 @@ from ddp_course.tools.records import write_results
 JOBS = {
     "hello, 2 ranks": ("scripts/00_hello_ranks.py", [], 2),
     "DDP from scratch (timeline), 2 ranks": (
-        "scripts/07_ddp_from_scratch.py", ["--parts", "timeline"], 2),
+        "scripts/07_ddp_from_scratch.py",
+        ["--parts", "timeline"],
+        2,
+    ),
     "hello, 4 ranks": ("scripts/00_hello_ranks.py", [], 4),
-}  # fmt: skip
+}
 
 
 def _children_cpu_s() -> float:
@@ -66,8 +69,14 @@ def main() -> None:
     runs = [(name, r, mode) for name in JOBS for r in range(args.repeats) for mode in MODES]
     for name, repeat, mode in tqdm(runs, desc="jobs"):
         script, script_args, nproc = JOBS[name]
-        rows.append({"job": name, "repeat": repeat, "mode": mode,
-                     **measure(script, script_args, nproc, mode)})  # fmt: skip
+        rows.append(
+            {
+                "job": name,
+                "repeat": repeat,
+                "mode": mode,
+                **measure(script, script_args, nproc, mode),
+            }
+        )
     summary = {}
     for name in JOBS:
         med = {
@@ -77,15 +86,22 @@ def main() -> None:
             for mode in MODES
             for key in ("cpu_s", "wall_s")
         }
-        summary[name] = {f"{mode}: {key}": med[mode, key] for key in ("cpu_s", "wall_s")
-                         for mode in MODES}  # fmt: skip
+        summary[name] = {
+            f"{mode}: {key}": med[mode, key] for key in ("cpu_s", "wall_s") for mode in MODES
+        }
     first = next(iter(MODES))
     header = ["job", *(f"{mode}: {key} (ratio)" for key in ("cpu_s", "wall_s") for mode in MODES)]
     table = [
-        [name, *(f"{s[f'{m}: {k}']:.2f} ({s[f'{m}: {k}'] / s[f'{first}: {k}']:.2f})"
-                 for k in ("cpu_s", "wall_s") for m in MODES)]
+        [
+            name,
+            *(
+                f"{s[f'{m}: {k}']:.2f} ({s[f'{m}: {k}'] / s[f'{first}: {k}']:.2f})"
+                for k in ("cpu_s", "wall_s")
+                for m in MODES
+            ),
+        ]
         for name, s in summary.items()
-    ]  # fmt: skip
+    ]
     print(markdown_table(header, table))
     write_results(None, args.results, {"medians": summary}, rows=rows, args=vars(args))
 

@@ -77,8 +77,7 @@ class ReplayState:
     def __enter__(self):
         self._stack = contextlib.ExitStack()
         devices = list(range(torch.cuda.device_count())) if self.cuda else []
-        self._stack.enter_context(torch.random.fork_rng(devices=devices,
-                                                        enabled=self.restore_rng))  # fmt: skip
+        self._stack.enter_context(torch.random.fork_rng(devices=devices, enabled=self.restore_rng))
         if self.restore_rng:
             torch.set_rng_state(self.cpu_state)
             if self.cuda:
@@ -132,8 +131,9 @@ class Checkpoint(torch.autograd.Function):
         return (None, None, None, *[x.grad if x.requires_grad else None for x in inputs])
 
 
-def checkpoint(fn: Callable, *inputs: torch.Tensor, restore_rng: bool = True,
-               restore_autocast: bool = True) -> torch.Tensor:  # fmt: skip
+def checkpoint(
+    fn: Callable, *inputs: torch.Tensor, restore_rng: bool = True, restore_autocast: bool = True
+) -> torch.Tensor:
     """``fn(*inputs)``, keeping only ``inputs`` for backward and recomputing the rest.
 
     Args:
@@ -190,8 +190,10 @@ class RecomputedRegion:
         # The determinism check of torch.utils.checkpoint: the rerun must save what forward did.
         got = [(tuple(t.shape), t.dtype) for t in rebuilt]
         if got != self.meta:
-            first = next((i for i, (u, v) in enumerate(zip(got, self.meta)) if u != v),
-                         min(len(got), len(self.meta)))  # fmt: skip
+            first = next(
+                (i for i, (u, v) in enumerate(zip(got, self.meta)) if u != v),
+                min(len(got), len(self.meta)),
+            )
             raise RuntimeError(
                 f"the recomputation saved {len(got)} tensors, forward {len(self.meta)}; they "
                 f"first differ at tensor {first} (shape, dtype: rerun "
@@ -202,8 +204,9 @@ class RecomputedRegion:
         self.tensors = dict(enumerate(rebuilt))
 
 
-def checkpoint_with_hooks(fn: Callable, *inputs: torch.Tensor,
-                          restore_rng: bool = True) -> torch.Tensor:  # fmt: skip
+def checkpoint_with_hooks(
+    fn: Callable, *inputs: torch.Tensor, restore_rng: bool = True
+) -> torch.Tensor:
     """``fn(*inputs)`` checkpointed without a custom Function: the non-reentrant form.
 
     ``fn`` runs once with gradients on, so autograd records its graph as

@@ -173,7 +173,7 @@ def block_terms(
                     m * a * s * s * b,
                     "attention",
                     True,
-                ),  # fmt: skip
+                ),
                 Term("dropout output", "attention x V", "e*as^2b", quad, "attention", True),
             ]
         terms.append(Term("V", "attention x V", "e*sbh", e * sbh, "attention", True))
@@ -208,9 +208,16 @@ def korthikanti_block_bytes(seq: int, batch: int, hidden: int, heads: int) -> in
 
 
 def outside_terms(
-    batch: int, seq: int, d_model: int, vocab_size: int, *, element_bytes: int = 4,
-    mask_bytes: int | None = None, dropout: bool = True, stats_bytes: int | None = None,
-) -> list[Term]:  # fmt: skip
+    batch: int,
+    seq: int,
+    d_model: int,
+    vocab_size: int,
+    *,
+    element_bytes: int = 4,
+    mask_bytes: int | None = None,
+    dropout: bool = True,
+    stats_bytes: int | None = None,
+) -> list[Term]:
     """What TinyGPT saves outside its blocks, with :func:`~ddp_course.models.lm_loss`.
 
     The token ids (int64) and positions the two embeddings keep for their
@@ -253,19 +260,39 @@ def model_config(cfg: Mapping) -> dict:
     Raises:
         ValueError: a key that is not one of TinyGPT's arguments.
     """
-    full = {"vocab_size": 256, "d_model": 64, "n_heads": 4, "n_layers": 2, "seq_len": 64,
-            "dropout": 0.0, "flash": True} | dict(cfg)  # fmt: skip
-    unknown = set(full) - {"vocab_size", "d_model", "n_heads", "n_layers", "seq_len",
-                           "dropout", "flash"}  # fmt: skip
+    full = {
+        "vocab_size": 256,
+        "d_model": 64,
+        "n_heads": 4,
+        "n_layers": 2,
+        "seq_len": 64,
+        "dropout": 0.0,
+        "flash": True,
+    } | dict(cfg)
+    unknown = set(full) - {
+        "vocab_size",
+        "d_model",
+        "n_heads",
+        "n_layers",
+        "seq_len",
+        "dropout",
+        "flash",
+    }
     if unknown:
         raise ValueError(f"unknown TinyGPT arguments {sorted(unknown)}")
     return full
 
 
 def predict_activations(
-    cfg: Mapping, batch: int, seq: int, policy: str = "none", *, element_bytes: int = 4,
-    mask_bytes: int | None = None, stats_bytes: int | None = None,
-) -> dict[str, int]:  # fmt: skip
+    cfg: Mapping,
+    batch: int,
+    seq: int,
+    policy: str = "none",
+    *,
+    element_bytes: int = 4,
+    mask_bytes: int | None = None,
+    stats_bytes: int | None = None,
+) -> dict[str, int]:
     """Activation bytes of TinyGPT(**cfg) under a checkpointing policy (see
     :func:`ddp_course.recompute_policies.apply_policy`), with the course's
     reentrant checkpoint (``impl="ours"``), whose saved inputs the hooks see.
@@ -298,10 +325,23 @@ def predict_activations(
         raise ValueError(f"seq={seq} is longer than the model's seq_len={c['seq_len']}")
     s, b, h, a, e = seq, batch, c["d_model"], c["n_heads"], element_bytes
     dropout = c["dropout"] > 0
-    kw = {"element_bytes": e, "mask_bytes": mask_bytes, "dropout": dropout, "flash": c["flash"],
-          "stats_bytes": stats_bytes}  # fmt: skip
-    out = outside_terms(b, s, h, c["vocab_size"], element_bytes=e, mask_bytes=mask_bytes,
-                        dropout=dropout, stats_bytes=stats_bytes)  # fmt: skip
+    kw = {
+        "element_bytes": e,
+        "mask_bytes": mask_bytes,
+        "dropout": dropout,
+        "flash": c["flash"],
+        "stats_bytes": stats_bytes,
+    }
+    out = outside_terms(
+        b,
+        s,
+        h,
+        c["vocab_size"],
+        element_bytes=e,
+        mask_bytes=mask_bytes,
+        dropout=dropout,
+        stats_bytes=stats_bytes,
+    )
     outside = sum(t.bytes for t in out)
     full = block_bytes(b, s, h, a, **kw)
     sbh, n = s * b * h, c["n_layers"]

@@ -230,8 +230,9 @@ class MoE(nn.Module):
     def flat(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` as ``[tokens, d_model]``; ValueError if its last size is not d_model."""
         if x.dim() < 2 or x.shape[-1] != self.d_model:
-            raise ValueError(f"expected [tokens, {self.d_model}] or [B, T, {self.d_model}], "
-                             f"got {list(x.shape)}")  # fmt: skip
+            raise ValueError(
+                f"expected [tokens, {self.d_model}] or [B, T, {self.d_model}], got {list(x.shape)}"
+            )
         return x.reshape(-1, self.d_model)
 
     def route(self, tokens: torch.Tensor) -> Routing:
@@ -255,8 +256,10 @@ class MoE(nn.Module):
         """
         tokens = self.flat(x)
         if groups < 1 or tokens.shape[0] % groups:
-            raise ValueError(f"groups={groups} must divide the {tokens.shape[0]} tokens "
-                             "(equal groups, e.g. one per rank's batch)")  # fmt: skip
+            raise ValueError(
+                f"groups={groups} must divide the {tokens.shape[0]} tokens "
+                "(equal groups, e.g. one per rank's batch)"
+            )
         routings = [self.route(g) for g in tokens.chunk(groups)] if tokens.shape[0] else []
         if not routings:
             return x.clone(), routings
@@ -304,16 +307,18 @@ class AllToAll(torch.autograd.Function):
     def forward(ctx, x, output_splits, input_splits, group):
         ctx.splits, ctx.group = (list(output_splits), list(input_splits)), group
         out = x.new_empty((sum(output_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), list(output_splits), list(input_splits),
-                               group=group)  # fmt: skip
+        dist.all_to_all_single(
+            out, x.contiguous(), list(output_splits), list(input_splits), group=group
+        )
         return out
 
     @staticmethod
     def backward(ctx, grad):
         output_splits, input_splits = ctx.splits
         back = grad.new_empty((sum(input_splits), *grad.shape[1:]))
-        dist.all_to_all_single(back, grad.contiguous(), input_splits, output_splits,
-                               group=ctx.group)  # fmt: skip
+        dist.all_to_all_single(
+            back, grad.contiguous(), input_splits, output_splits, group=ctx.group
+        )
         return back, None, None, None
 
 
@@ -410,8 +415,9 @@ class ExpertParallelMoE(nn.Module):
         """
         require_group(needed_for="expert parallelism")
         if x.dim() < 2 or x.shape[-1] != self.d_model:
-            raise ValueError(f"expected [tokens, {self.d_model}] or [B, T, {self.d_model}], "
-                             f"got {list(x.shape)}")  # fmt: skip
+            raise ValueError(
+                f"expected [tokens, {self.d_model}] or [B, T, {self.d_model}], got {list(x.shape)}"
+            )
         tokens = x.reshape(-1, self.d_model)
         return tokens, route(self.router(tokens), self.k, self.capacity_factor, self.normalize)
 

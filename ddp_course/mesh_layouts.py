@@ -107,13 +107,17 @@ class Layout:
                 parallelism, ``tp`` does not divide ``seq_len``.
         """
         if n_heads % self.tp:
-            raise ValueError(f"tp={self.tp} does not divide the {n_heads} attention heads: "
-                             "each tensor-parallel rank keeps whole heads")  # fmt: skip
+            raise ValueError(
+                f"tp={self.tp} does not divide the {n_heads} attention heads: "
+                "each tensor-parallel rank keeps whole heads"
+            )
         if d_model % n_heads:
             raise ValueError(f"{n_heads} heads do not divide d_model={d_model}")
         if self.sequence_parallel and seq_len % self.tp:
-            raise ValueError(f"tp={self.tp} does not divide seq_len={seq_len}: sequence "
-                             "parallelism gives each rank seq_len/tp positions")  # fmt: skip
+            raise ValueError(
+                f"tp={self.tp} does not divide seq_len={seq_len}: sequence "
+                "parallelism gives each rank seq_len/tp positions"
+            )
 
     @property
     def world_size(self) -> int:
@@ -305,9 +309,12 @@ def apply_tensor_parallel(
 
 
 def apply_data_parallel(
-    model: nn.Module, mesh, lay: Layout, reshard_after_forward: bool = True,
+    model: nn.Module,
+    mesh,
+    lay: Layout,
+    reshard_after_forward: bool = True,
     param_dtype: torch.dtype | None = None,
-):  # fmt: skip
+):
     """Wrap ``model`` for the layout's data parallelism over ``mesh`` (see :func:`build_mesh`).
 
     ``"ddp"``: ``DistributedDataParallel`` over the ``replicate`` dimension's group, with

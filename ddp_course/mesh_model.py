@@ -101,8 +101,10 @@ def token_mean_loss(
             process group is initialised.
     """
     if group is None and dist.is_initialized():
-        raise ValueError("token_mean_loss needs the data-parallel group: the default group "
-                         "is the world, not the ranks that split the batch")  # fmt: skip
+        raise ValueError(
+            "token_mean_loss needs the data-parallel group: the default group "
+            "is the world, not the ranks that split the batch"
+        )
     total = functional.cross_entropy(
         logits.flatten(0, 1), targets.flatten(), ignore_index=ignore_index, reduction="sum"
     )
@@ -147,9 +149,16 @@ class MeshModel:
             forward and backward together, so autocast cannot cover the forward alone).
     """
 
-    def __init__(self, model: TinyGPT, lay: Layout, mesh, microbatches: int = 2,
-                 loss_parallel: bool = True, reshard_after_forward: bool = True,
-                 compute_dtype: torch.dtype | None = None):  # fmt: skip
+    def __init__(
+        self,
+        model: TinyGPT,
+        lay: Layout,
+        mesh,
+        microbatches: int = 2,
+        loss_parallel: bool = True,
+        reshard_after_forward: bool = True,
+        compute_dtype: torch.dtype | None = None,
+    ):
         if compute_dtype is not None and lay.data == "ddp" and lay.pp > 1:
             raise ValueError("mixed precision with DDP inside a pipeline: use fsdp")
         self.layout, self.mesh = lay, mesh
@@ -169,12 +178,12 @@ class MeshModel:
             from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
             device = next(model.parameters()).device
-            stage = PipelineStage(self.module, self.stage_index, lay.pp, device,
-                                  group=mesh["pp"].get_group())  # fmt: skip
+            stage = PipelineStage(
+                self.module, self.stage_index, lay.pp, device, group=mesh["pp"].get_group()
+            )
             # scale_grads divides the summed micro-batch gradients by their number:
             # the gradient of the mean over the whole slice.
-            self.schedule = ScheduleGPipe(stage, microbatches, loss_fn=self.loss,
-                                          scale_grads=True)  # fmt: skip
+            self.schedule = ScheduleGPipe(stage, microbatches, loss_fn=self.loss, scale_grads=True)
 
     @staticmethod
     def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -267,16 +276,17 @@ class MeshModel:
     def _check_slice(x: torch.Tensor) -> None:
         if x.shape[0] == 0:
             # An empty slice would leave this rank out of its groups' collectives: a hang.
-            raise ValueError("this rank's slice of the batch is empty: give every "
-                             "data-parallel rank at least one sequence")  # fmt: skip
+            raise ValueError(
+                "this rank's slice of the batch is empty: give every "
+                "data-parallel rank at least one sequence"
+            )
 
     def _pipeline_loss(self, run, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The slice's mean loss through the schedule's ``run`` (``step`` or ``eval``), on
         every stage: the last stage knows it, the pipeline group shares it."""
         first, last = self.stage_index == 0, self.stage_index == self.layout.pp - 1
         losses = []
-        run(*([x] if first else []), target=y if last else None,
-            losses=losses if last else None)  # fmt: skip
+        run(*([x] if first else []), target=y if last else None, losses=losses if last else None)
         local = (
             torch.stack(losses).mean().detach() if last else torch.zeros((), dtype=torch.float64)
         )

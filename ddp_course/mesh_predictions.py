@@ -21,9 +21,14 @@ __all__ = ["expected_collectives", "expected_memory_bytes", "saved_block_bytes_f
 
 
 def expected_collectives(
-    lay, n_layers: int, reshard_after_forward: bool = True, microbatches: int = 2,
-    ddp_buckets: int = 1, rebuilt_buckets: bool = True, stage: int = 0,
-) -> dict:  # fmt: skip
+    lay,
+    n_layers: int,
+    reshard_after_forward: bool = True,
+    microbatches: int = 2,
+    ddp_buckets: int = 1,
+    rebuilt_buckets: bool = True,
+    stage: int = 0,
+) -> dict:
     """Collectives of one training step of TinyGPT per mesh dimension, from the layout.
 
     Per step, with ``L`` blocks (``L/pp`` per pipeline stage), FSDP2 units =
@@ -113,8 +118,11 @@ def expected_collectives(
     if lay.data != "fsdp" or lay.sequence_parallel:
         raise ValueError("the pipeline formula covers pp x fsdp and pp x tp (no sp) only")
     neighbours = (stage < lay.pp - 1) + (stage > 0)
-    step = {"all_reduce pp": 1, "send pp": microbatches * neighbours,
-            "recv pp": microbatches * neighbours}  # fmt: skip
+    step = {
+        "all_reduce pp": 1,
+        "send pp": microbatches * neighbours,
+        "recv pp": microbatches * neighbours,
+    }
     if lay.tp > 1:
         last = stage == lay.pp - 1
         step["all_reduce tp"] = microbatches * (6 * layers + last)
@@ -169,9 +177,15 @@ def expected_memory_bytes(model: TinyGPT, lay: Layout, element_size: int, stage:
 
 
 def saved_block_bytes_formula(
-    batch: int, seq: int, d_model: int, heads: int, world_size: int,
-    sequence_parallel: bool, element_size: int = 8, mask_size: int | None = None,
-) -> int:  # fmt: skip
+    batch: int,
+    seq: int,
+    d_model: int,
+    heads: int,
+    world_size: int,
+    sequence_parallel: bool,
+    element_size: int = 8,
+    mask_size: int | None = None,
+) -> int:
     """Bytes one rank's tensor-parallel block saves for backward (dropout > 0, ``flash=False``).
 
     The block is :class:`ddp_course.sequence_parallel.ParallelBlock`.

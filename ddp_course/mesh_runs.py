@@ -58,15 +58,17 @@ def new_model(config: dict, dtype: torch.dtype, device, seed: int) -> TinyGPT:
     return TinyGPT(**config).to(device=device, dtype=dtype)
 
 
-def global_batches(steps: int, global_batch: int, seq_len: int, seed: int, device,
-                   split: str = "train") -> list[list[torch.Tensor]]:  # fmt: skip
+def global_batches(
+    steps: int, global_batch: int, seq_len: int, seed: int, device, split: str = "train"
+) -> list[list[torch.Tensor]]:
     """``steps`` global batches of Shakespeare's ``split`` (``"train"`` or ``"val"``), the
     same on every rank (their own generator, seeded ``seed + 1``): each ``[x, y]``,
     ``int64 [global_batch, seq_len]``, ``y`` the next byte of ``x``."""
     gen = torch.Generator().manual_seed(seed + 1)
     text = shakespeare_bytes(split)
-    return [[t.to(device) for t in lm_batch(text, global_batch, seq_len, gen)]
-            for _ in range(steps)]  # fmt: skip
+    return [
+        [t.to(device) for t in lm_batch(text, global_batch, seq_len, gen)] for _ in range(steps)
+    ]
 
 
 def my_slice(batch, mesh, dp: int) -> list[torch.Tensor]:
@@ -92,10 +94,18 @@ def plain_step(mm: MeshModel, step: int, x: torch.Tensor, y: torch.Tensor) -> fl
     return mm.forward_backward(x, y)
 
 
-def train(lay: ml.Layout, model: TinyGPT, batches, ctx, optimizer: Callable, lr: float,
-          compute_dtype: torch.dtype | None = None, step_fn: Callable = plain_step,
-          clock: Callable[[], float] = time.perf_counter,
-          val: dict | None = None):  # fmt: skip
+def train(
+    lay: ml.Layout,
+    model: TinyGPT,
+    batches,
+    ctx,
+    optimizer: Callable,
+    lr: float,
+    compute_dtype: torch.dtype | None = None,
+    step_fn: Callable = plain_step,
+    clock: Callable[[], float] = time.perf_counter,
+    val: dict | None = None,
+):
     """Train ``model`` laid out as ``lay``, one step per global batch of ``batches``.
 
     Args:
@@ -179,8 +189,9 @@ def load_checkpoint(module, opt, folder: str, **kwargs) -> None:
     set_state_dict(module, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
 
 
-def checkpoint_round_trip(ctx, config: dict, dtype: torch.dtype, batches, lr: float,
-                          folder: str) -> dict:  # fmt: skip
+def checkpoint_round_trip(
+    ctx, config: dict, dtype: torch.dtype, batches, lr: float, folder: str
+) -> dict:
     """Save a DCP checkpoint on the 2 x 2 mesh (FSDP x TP), reload it on 4 x 1 (FSDP) and
     in one process (``no_dist=True``), both starting from other weights; all three take the
     next step.
@@ -267,8 +278,9 @@ def loss_normalisation_lab(ctx, config: dict, dtype: torch.dtype, batch) -> dict
         else:
             loss = token_mean_loss(logits, y[mine], group)
         loss.backward()
-        gaps[way] = max((p.grad - reference[n]).abs().max().item()
-                        for n, p in model.module.named_parameters())  # fmt: skip
+        gaps[way] = max(
+            (p.grad - reference[n]).abs().max().item() for n, p in model.module.named_parameters()
+        )
     return {"tokens_per_rank": counts, "grad_gap": gaps}
 
 
@@ -298,8 +310,9 @@ def master_dtypes(module) -> list[str]:
     return sorted({str(p.dtype) for p in module.parameters()})
 
 
-def sample(params: dict, config: dict, dtype: torch.dtype, device, new_bytes: int,
-           seed: int) -> str:  # fmt: skip
+def sample(
+    params: dict, config: dict, dtype: torch.dtype, device, new_bytes: int, seed: int
+) -> str:
     """Text from the trained weights, gathered whole (``params`` by name), in one process:
     the prompt ``ROMEO:`` and ``new_bytes`` bytes drawn at temperature 0.8 (a generator
     seeded ``seed`` on ``device``), decoded as ASCII."""

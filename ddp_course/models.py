@@ -392,9 +392,12 @@ class TinyGPT(nn.Module):
 
     @torch.no_grad()
     def generate(
-        self, idx: torch.Tensor, new_tokens: int, temperature: float = 1.0,
+        self,
+        idx: torch.Tensor,
+        new_tokens: int,
+        temperature: float = 1.0,
         generator: torch.Generator | None = None,
-    ) -> torch.Tensor:  # fmt: skip
+    ) -> torch.Tensor:
         """Append ``new_tokens`` sampled tokens to ``idx`` (``int64 [B, T]``).
 
         Each step feeds the last ``seq_len`` tokens and samples from the

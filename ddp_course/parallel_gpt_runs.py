@@ -50,8 +50,14 @@ def whole_gpt(args, device, seed: int = 0, dropout: float = 0.0) -> TinyGPT:
     """The whole float64 TinyGPT of ``args`` (explicit attention), the same weights on every
     rank for the same ``seed`` (the default generator is seeded)."""
     torch.manual_seed(seed)
-    model = TinyGPT(d_model=args.d_model, n_heads=args.n_heads, n_layers=args.n_layers,
-                    seq_len=args.seq_len, dropout=dropout, flash=False)  # fmt: skip
+    model = TinyGPT(
+        d_model=args.d_model,
+        n_heads=args.n_heads,
+        n_layers=args.n_layers,
+        seq_len=args.seq_len,
+        dropout=dropout,
+        flash=False,
+    )
     return model.double().to(device)
 
 
@@ -82,8 +88,11 @@ def block_formula(args, n: int, sequence_parallel: bool) -> dict:
     if n == 1:
         return {"forward": {}, "backward": {}, "after backward": {}}
     if not sequence_parallel:
-        return {"forward": {"all_reduce": [k, k]}, "backward": {"all_reduce": [k, k]},
-                "after backward": {}}  # fmt: skip
+        return {
+            "forward": {"all_reduce": [k, k]},
+            "backward": {"all_reduce": [k, k]},
+            "after backward": {},
+        }
     return {
         "forward": {"all_gather": [k, k], "reduce_scatter": [k, k]},
         "backward": {"all_gather": [k] * 4, "reduce_scatter": [k, k]},
@@ -100,8 +109,14 @@ def text_batch(args, device) -> tuple[torch.Tensor, torch.Tensor]:
     return x.to(device), y.to(device)
 
 
-def train(args, ctx, sequence_parallel: bool, model_seed: int = 0, reduce_sp_grads: bool = True,
-          recording: Callable | None = None):  # fmt: skip
+def train(
+    args,
+    ctx,
+    sequence_parallel: bool,
+    model_seed: int = 0,
+    reduce_sp_grads: bool = True,
+    recording: Callable | None = None,
+):
     """``args.steps`` SGD steps of a :class:`ParallelGPT` on :func:`text_batch`.
 
     Args:
@@ -116,8 +131,12 @@ def train(args, ctx, sequence_parallel: bool, model_seed: int = 0, reduce_sp_gra
         ``(full, losses, par)``: the parameters gathered whole by name, the loss of every
         step and the model.
     """
-    par = ParallelGPT(whole_gpt(args, ctx.device, model_seed), ctx.rank, ctx.world_size,
-                      sequence_parallel=sequence_parallel)  # fmt: skip
+    par = ParallelGPT(
+        whole_gpt(args, ctx.device, model_seed),
+        ctx.rank,
+        ctx.world_size,
+        sequence_parallel=sequence_parallel,
+    )
     opt = torch.optim.SGD(par.parameters(), lr=args.lr)
     x, y = text_batch(args, ctx.device)
     losses = []
@@ -171,9 +190,10 @@ def seed_lab(args, ctx) -> dict:
         by_rank = [None] * ctx.world_size
         gap = max((mine[k] - one[k]).abs().max().item() for k in replicated)
         dist.all_gather_object(by_rank, gap)
-        labs[case] = {"replicated vs one process, by rank": by_rank,
-                      "replicated spread across ranks":
-                          max(spread_across_ranks(par, replicated).values())}  # fmt: skip
+        labs[case] = {
+            "replicated vs one process, by rank": by_rank,
+            "replicated spread across ranks": max(spread_across_ranks(par, replicated).values()),
+        }
     return labs
 
 
@@ -196,8 +216,9 @@ def dropout_lab(args, ctx, seed: int = 7) -> list[dict]:
         for layout, seq_par in (("TP", False), ("TP+SP", True)):
             # The weights and the default generator: equal everywhere.
             whole = whole_gpt(args, ctx.device, seed, dropout=0.5)
-            par = ParallelGPT(whole, ctx.rank, ctx.world_size, sequence_parallel=seq_par,
-                              rng=new_rng())  # fmt: skip
+            par = ParallelGPT(
+                whole, ctx.rank, ctx.world_size, sequence_parallel=seq_par, rng=new_rng()
+            )
             x, y = text_batch(args, ctx.device)
             steps = []
             for _ in range(2):
@@ -215,8 +236,16 @@ def dropout_lab(args, ctx, seed: int = 7) -> list[dict]:
                     dist.all_gather(copies, masks[i])
                     row[0] &= all(torch.equal(c, copies[0]) for c in copies)
                 row[1] |= torch.equal(steps[0][i], steps[1][i])
-    return [{"seeding": w, "layout": lay, "region": r, "equal on every rank": eq,
-             "same mask next step": again} for (w, lay, r), (eq, again) in out.items()]  # fmt: skip
+    return [
+        {
+            "seeding": w,
+            "layout": lay,
+            "region": r,
+            "equal on every rank": eq,
+            "same mask next step": again,
+        }
+        for (w, lay, r), (eq, again) in out.items()
+    ]
 
 
 def ln_grad_lab(args, ctx, reference: dict[str, torch.Tensor]) -> dict:

@@ -160,8 +160,13 @@ class CheckpointWrapper(nn.Module):
         ValueError: an unknown ``impl``.
     """
 
-    def __init__(self, module: nn.Module, impl: str = "ours",
-                 record: SelectiveRecord | None = None, save: tuple = MATMULS):  # fmt: skip
+    def __init__(
+        self,
+        module: nn.Module,
+        impl: str = "ours",
+        record: SelectiveRecord | None = None,
+        save: tuple = MATMULS,
+    ):
         super().__init__()
         if impl not in (*IMPLS, "selective"):
             raise ValueError(f"impl must be one of {(*IMPLS, 'selective')}, not {impl!r}")
@@ -201,8 +206,15 @@ class CheckpointedCore:
 
 
 #: The policies :func:`apply_policy` knows, from none to the anti-pattern.
-POLICIES = ("none", "every_block", "every_other_block", "every_submodule", "op_sac",
-            "core_attention", "every_linear")  # fmt: skip
+POLICIES = (
+    "none",
+    "every_block",
+    "every_other_block",
+    "every_submodule",
+    "op_sac",
+    "core_attention",
+    "every_linear",
+)
 
 
 def apply_policy(model: nn.Module, policy: str, impl: str = "ours") -> SelectiveRecord:
@@ -243,9 +255,11 @@ def apply_policy(model: nn.Module, policy: str, impl: str = "ours") -> Selective
         raise ValueError(f"policy must be one of {POLICIES}, not {policy!r}")
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, not {impl!r}")
-    if any(isinstance(m, CheckpointWrapper)
-           or isinstance(getattr(m, "attention_core", None), CheckpointedCore)
-           for m in model.modules()):  # fmt: skip
+    if any(
+        isinstance(m, CheckpointWrapper)
+        or isinstance(getattr(m, "attention_core", None), CheckpointedCore)
+        for m in model.modules()
+    ):
         raise ValueError("the model is already wrapped: build a fresh one for another policy")
     record = SelectiveRecord()
     blocks = model.blocks
@@ -271,8 +285,9 @@ def apply_policy(model: nn.Module, policy: str, impl: str = "ours") -> Selective
 ORDERS = ("no_ac", "ac_then_fsdp", "fsdp_then_ac", "ac_around_root")
 
 
-def shard_with_checkpointing(model: nn.Module, order: str, impl: str = "torch",
-                             **fsdp_kwargs) -> nn.Module:  # fmt: skip
+def shard_with_checkpointing(
+    model: nn.Module, order: str, impl: str = "torch", **fsdp_kwargs
+) -> nn.Module:
     """FSDP2 over every block and the root of a TinyGPT, with checkpoints placed as
     ``order`` says; returns the module to call (the sharded model, or a wrapper).
 

@@ -339,8 +339,9 @@ def distributed(
         elif rank == 0 and "MASTER_PORT" in os.environ:
             # Without torchrun's agent store, rank 0's env:// store would listen on every
             # interface, whatever MASTER_ADDR says; on a loopback address keep it there.
-            server = loopback.serve_on_loopback(os.environ.get("MASTER_ADDR", ""),
-                                                int(os.environ["MASTER_PORT"]))  # fmt: skip
+            server = loopback.serve_on_loopback(
+                os.environ.get("MASTER_ADDR", ""), int(os.environ["MASTER_PORT"])
+            )
         dist.init_process_group(backend=name, **kwargs)
     elif group_of_one:
         name = backend or pick_backend(dev)

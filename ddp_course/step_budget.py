@@ -128,8 +128,9 @@ def _state_of(items: tuple, optimizer: str) -> dict[str, int]:
     return state_bytes(model, optimizer=optimizer)
 
 
-def predict_step(cfg: Mapping, batch: int, seq: int, policy: str = "none",
-                 optimizer: str = "adamw") -> StepBudget:  # fmt: skip
+def predict_step(
+    cfg: Mapping, batch: int, seq: int, policy: str = "none", optimizer: str = "adamw"
+) -> StepBudget:
     """Predict a step's :class:`StepBudget` before running it (float32 on one process).
 
     Raises:
@@ -139,8 +140,7 @@ def predict_step(cfg: Mapping, batch: int, seq: int, policy: str = "none",
     state = _state_of(tuple(sorted(c.items())), optimizer)
     act = predict_activations(c, batch, seq, policy)
     logits = 4 * batch * seq * c["vocab_size"]
-    return StepBudget(**state, activations=act["held"], recompute=act["recompute"],
-                      logits=logits)  # fmt: skip
+    return StepBudget(**state, activations=act["held"], recompute=act["recompute"], logits=logits)
 
 
 def _largest_batch(cfg, budget_bytes, seq, policy, optimizer, max_batch) -> int:
@@ -191,8 +191,7 @@ def fit_micro_batch(
             any policy (the state alone may be too large: shard it, lesson 09).
     """
     policies = tuple(policies)
-    largest = {p: _largest_batch(cfg, budget_bytes, seq, p, optimizer, max_batch)
-               for p in policies}  # fmt: skip
+    largest = {p: _largest_batch(cfg, budget_bytes, seq, p, optimizer, max_batch) for p in policies}
     if target_batch is not None:
         fits = [p for p in policies if largest[p] >= target_batch]
         if not fits:
@@ -246,9 +245,14 @@ class PeakBound:
 
 
 def peak_bound(
-    *, activations: int, recompute: int, gradients: int, logits: int, largest: int,
+    *,
+    activations: int,
+    recompute: int,
+    gradients: int,
+    logits: int,
+    largest: int,
     tensors: int,
-) -> PeakBound:  # fmt: skip
+) -> PeakBound:
     """Bound an allocator's peak during one forward and backward, above the weights.
 
     - Low: when forward ends, every activation saved for backward is alive, and so are the
@@ -276,6 +280,7 @@ def peak_bound(
     terms = (activations, recompute, gradients, logits, largest, tensors)
     if min(terms) < 0:
         raise ValueError(f"the terms of the bound must not be negative: {terms}")
-    high = (activations + recompute + gradients + 3 * logits + 2 * largest
-            + ALLOCATOR_BLOCK * tensors)  # fmt: skip
+    high = (
+        activations + recompute + gradients + 3 * logits + 2 * largest + ALLOCATOR_BLOCK * tensors
+    )
     return PeakBound(low=activations + logits, high=high)

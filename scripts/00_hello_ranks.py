@@ -39,9 +39,9 @@ def main() -> None:
             for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
                       "MASTER_ADDR", "MASTER_PORT")
             if k in os.environ
-        }  # fmt: skip
+        }
         write_results(ctx, args.results, {"world_size": ctx.world_size, "backend": ctx.backend,
-                                          "sum": total.item(), "env": torchrun_vars})  # fmt: skip
+                                          "sum": total.item(), "env": torchrun_vars})
 
 
 if __name__ == "__main__":

@@ -26,11 +26,11 @@ def train(ctx: DistContext, cfg: TrainConfig) -> None:
     train_set = load_mnist(cfg.data_dir, train=True, source=cfg.data_source)
     test_set = load_mnist(cfg.data_dir, train=False, source=cfg.data_source)
     log.info(f"{train_set.source} MNIST: {len(train_set.dataset)} train, "
-             f"{len(test_set.dataset)} test digits")  # fmt: skip
+             f"{len(test_set.dataset)} test digits")
 
     shuffle = torch.Generator().manual_seed(cfg.seed)
     loader = DataLoader(train_set.dataset, batch_size=cfg.batch_size, shuffle=True,
-                        generator=shuffle)  # fmt: skip
+                        generator=shuffle)
 
     model = SmallCNN(dropout=cfg.dropout).to(ctx.device)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
@@ -45,9 +45,9 @@ def train(ctx: DistContext, cfg: TrainConfig) -> None:
         metrics = evaluate(model, test_set.dataset, ctx)
         history.append({"epoch": epoch, "train_loss": stats.loss, "train_samples": stats.samples,
                         "train_seconds": stats.seconds, "test_accuracy": metrics["accuracy"],
-                        "test_loss": metrics["loss"]})  # fmt: skip
+                        "test_loss": metrics["loss"]})
         log.info(f"epoch {epoch}: train loss {stats.loss:.4f}, test accuracy "
-                 f"{metrics['accuracy']:.4f}, {stats.samples_per_s:,.0f} samples/s")  # fmt: skip
+                 f"{metrics['accuracy']:.4f}, {stats.samples_per_s:,.0f} samples/s")
         if cfg.checkpoint:
             save_checkpoint(ctx, cfg.checkpoint, model, optimizer, epoch=epoch + 1)
 
@@ -61,7 +61,7 @@ def train(ctx: DistContext, cfg: TrainConfig) -> None:
         "test_accuracy": final["accuracy"], "test_samples": final["samples"],
         "samples_per_s": train_samples / train_seconds if history else None,
         "wall_s": time.perf_counter() - start, "history": history,
-    })  # fmt: skip
+    })
 
 
 def main() -> None:

@@ -27,7 +27,7 @@ from ddp_course.tools.records import write_results
 
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                  "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
-                 "TORCHELASTIC_RESTART_COUNT", "OMP_NUM_THREADS")  # fmt: skip
+                 "TORCHELASTIC_RESTART_COUNT", "OMP_NUM_THREADS")
 
 
 def point_to_point(ctx) -> dict:
@@ -106,7 +106,7 @@ def collectives(ctx) -> dict:
     parts = [torch.zeros_like(t) for _ in range(n)] if rank == 0 else None
     dist.gather(t, parts, dst=0)
     out["gather"] = {"before": t.tolist(),
-                     "after": [p.tolist() for p in parts] if rank == 0 else None}  # fmt: skip
+                     "after": [p.tolist() for p in parts] if rank == 0 else None}
 
     t = x()
     parts = [torch.zeros_like(t) for _ in range(n)]
@@ -167,7 +167,7 @@ def subgroups(ctx) -> dict:
     t = torch.tensor([ctx.rank], device=ctx.device)
     dist.all_reduce(t, group=groups[mine])  # only the ranks of `mine` take part
     return {"group": mine, "members": evens if mine == "even" else odds,
-            "rank_in_group": dist.get_rank(groups[mine]), "sum": t.item()}  # fmt: skip
+            "rank_in_group": dist.get_rank(groups[mine]), "sum": t.item()}
 
 
 def sync_versus_async(ctx, numel: int = 4 * 2**20) -> dict:
@@ -215,7 +215,7 @@ def sync_versus_async(ctx, numel: int = 4 * 2**20) -> dict:
     return {"numel": numel, "sync_call_s": sync_call, "sync_total_s": sync_total,
             "async_call_s": async_call, "async_total_s": async_total,
             "completed_at_call": completed_at_call, "completed_after_wait": work.is_completed(),
-            "sync_ok": sync_ok, "async_ok": bool((t == ctx.world_size).all())}  # fmt: skip
+            "sync_ok": sync_ok, "async_ok": bool((t == ctx.world_size).all())}
 
 
 def deadlock(ctx) -> None:
@@ -246,7 +246,7 @@ def main() -> None:
         # Run as plain python: make a group of one (env:// init reads these),
         # so every collective below still runs.
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))  # fmt: skip
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     with distributed(device=args.device, timeout_s=args.timeout_s) as ctx:
         log = get_logger(ctx)
         if args.deadlock:
@@ -264,11 +264,11 @@ def main() -> None:
         dist.all_gather_object(records, record)
         log.info(f"{ctx.world_size} ranks, backend {ctx.backend}: records gathered on rank 0")
         available = {"gloo": dist.is_gloo_available(), "nccl": dist.is_nccl_available(),
-                     "mpi": dist.is_mpi_available()}  # fmt: skip
+                     "mpi": dist.is_mpi_available()}
         write_results(ctx, args.results, {
             "world_size": ctx.world_size, "backend": ctx.backend, "device": str(ctx.device),
             "available_backends": available, "ranks": records, "sync_versus_async": timing,
-        })  # fmt: skip
+        })
 
 
 if __name__ == "__main__":

@@ -71,7 +71,7 @@ def listens_on(port: int) -> list[str]:
     """The addresses this process listens on at TCP ``port``, e.g. ``["127.0.0.1"]``."""
     return sorted({c.laddr.ip for c in psutil.net_connections(kind="tcp")
                    if c.status == psutil.CONN_LISTEN and c.pid == os.getpid()
-                   and c.laddr.port == port})  # fmt: skip
+                   and c.laddr.port == port})
 
 
 def serve_on_loopback(port: int) -> dist.TCPStore:
@@ -95,7 +95,7 @@ def serve_on_loopback(port: int) -> dist.TCPStore:
         sock.close()
         raise
     return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                         multi_tenant=True, master_listen_fd=sock.detach())  # fmt: skip
+                         multi_tenant=True, master_listen_fd=sock.detach())
 
 
 def main() -> None:
@@ -109,7 +109,7 @@ def main() -> None:
         # store is this process's own: served on loopback only.
         port = free_port()
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         servers["env://"] = serve_on_loopback(port)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -124,15 +124,15 @@ def main() -> None:
     # gloo otherwise. A CPU job on a GPU machine must name gloo.
     backend = "gloo" if device.type == "cpu" and gpu_count() > 0 else None
     record: dict = {"world_size": world_size, "added_by_launcher": added, "init": {},
-                    "device": str(device), "backend_argument": backend}  # fmt: skip
+                    "device": str(device), "backend_argument": backend}
     # The network interfaces gloo and nccl were told to use, if any.
     record["socket_ifname"] = {k: os.environ.get(k)
-                               for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}  # fmt: skip
+                               for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
 
     # 1. env:// with no backend argument: torch picks the accelerator's backend.
     dist.init_process_group(backend=backend)
     record["init"]["env://"] = {"backend": dist.get_backend_config(),
-                                "sum": all_reduce_check(rank, world_size, device)}  # fmt: skip
+                                "sum": all_reduce_check(rank, world_size, device)}
     if rank == 0:  # under torchrun the agent serves MASTER_PORT, not rank 0
         record["init"]["env://"]["store_listens_on"] = listens_on(int(os.environ["MASTER_PORT"]))
     pids = [None] * world_size
@@ -147,7 +147,7 @@ def main() -> None:
             ports[name] = free_port()
             servers[name] = serve_on_loopback(ports[name])
         rendezvous = [f"tcp://127.0.0.1:{ports['tcp://']}", f"file://{store_dir}/store",
-                      f"tcp://127.0.0.1:{ports['per-device']}", ports["side"]]  # fmt: skip
+                      f"tcp://127.0.0.1:{ports['per-device']}", ports["side"]]
     else:
         rendezvous = [None] * 4
     dist.broadcast_object_list(rendezvous, src=0)  # every rank needs the same addresses
@@ -164,7 +164,7 @@ def main() -> None:
     # taken), and a new group must not read the keys an earlier one left in a store.
     if one_gpu_each:  # device_id= binds the group to this rank's GPU; nccl connects at once
         steps.append(("cpu:gloo,cuda:nccl + device_id", per_device,
-                      {"backend": "cpu:gloo,cuda:nccl", "device_id": device}))  # fmt: skip
+                      {"backend": "cpu:gloo,cuda:nccl", "device_id": device}))
     else:
         steps.append(("cpu:gloo", per_device, {"backend": "cpu:gloo"}))
     # Rank 0 serves the stores, and a peer's teardown still talks to them: rank 0 tears
@@ -173,7 +173,7 @@ def main() -> None:
     for name, method, kwargs in steps:
         dist.init_process_group(init_method=method, rank=rank, world_size=world_size, **kwargs)
         record["init"][name] = {"backend": dist.get_backend_config(),
-                                "sum": all_reduce_check(rank, world_size, device)}  # fmt: skip
+                                "sum": all_reduce_check(rank, world_size, device)}
         if rank == 0 and method.startswith("tcp://"):  # rank 0's store, shared with torch's
             record["init"][name]["store_listens_on"] = listens_on(int(method.rsplit(":", 1)[1]))
         dist.barrier()

@@ -32,7 +32,7 @@ from ddp_course.tools.bench import algbw, busbw, fit_alpha_beta, message_sizes, 
 from ddp_course.tools.records import write_results
 
 BUSBW_OF = {"torch": "all_reduce", "ring": "all_reduce", "ps": "all_reduce",
-            "send": "sendrecv", "exchange": "sendrecv"}  # fmt: skip
+            "send": "sendrecv", "exchange": "sendrecv"}
 
 
 def check(ctx) -> dict:
@@ -135,7 +135,7 @@ def sweep(ctx, sizes, warmup, repeats, segment_bytes) -> dict:
 
     out = {name: {"median_s": [], "q1_s": [], "q3_s": [], "algbw_GBps": [], "busbw_GBps": [],
                   "busiest_GBps": [], "times_s": []}
-           for name in BUSBW_OF}  # fmt: skip
+           for name in BUSBW_OF}
     log.info(f"{'bytes':>10} " + " ".join(f"{name + ' ms':>12}" for name in BUSBW_OF))
     for size in sizes:
         numel = size // 4
@@ -167,12 +167,12 @@ def main() -> None:
     parser.add_argument("--results", help="rank 0 writes the JSON results here")
     parser.add_argument("--min-bytes", type=int, default=4096, help="smallest message (bytes)")
     parser.add_argument("--max-bytes", type=int, default=256 * 2**20,
-                        help="largest message (bytes); 0: no sweep")  # fmt: skip
+                        help="largest message (bytes); 0: no sweep")
     parser.add_argument("--factor", type=int, default=2, help="size step of the sweep")
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls per size")
     parser.add_argument("--repeats", type=int, default=15, help="timed calls per size")
     parser.add_argument("--segment-bytes", type=int, default=4 * 2**20,
-                        help="the ring and the server send in segments of this size")  # fmt: skip
+                        help="the ring and the server send in segments of this size")
     parser.add_argument("--device", help="e.g. cpu: gloo on a machine with fewer GPUs than ranks")
     args = parser.parse_args()
     if args.min_bytes < 4 or args.min_bytes % 4:
@@ -205,7 +205,7 @@ def main() -> None:
                     "bandwidth_GBps": fit.bandwidth / 1e9,
                 }
                 log.info(f"{name:>8}: alpha {fit.alpha * 1e6:8.1f} us, "
-                         f"B {fit.bandwidth / 1e9:6.2f} GB/s")  # fmt: skip
+                         f"B {fit.bandwidth / 1e9:6.2f} GB/s")
             ring, torch_ = timed["ring"]["algbw_GBps"], timed["torch"]["algbw_GBps"]
             results["ring_over_torch_algbw"] = [r / t for r, t in zip(ring, torch_, strict=True)]
         elif ctx.world_size == 1:

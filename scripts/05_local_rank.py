@@ -18,7 +18,7 @@ import time
 from ddp_course.harness.script_args import script_parser
 
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                      "ROLE_RANK", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")  # fmt: skip
+                      "ROLE_RANK", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
 
 
 def main() -> None:

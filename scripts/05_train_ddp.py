@@ -81,11 +81,11 @@ def train(
         train_set = load_mnist(cfg.data_dir, train=True, source=cfg.data_source)
         test_set = load_mnist(cfg.data_dir, train=False, source=cfg.data_source)
     log.info(f"{train_set.source} MNIST: {len(train_set.dataset)} train, "
-             f"{len(test_set.dataset)} test digits")  # fmt: skip
+             f"{len(test_set.dataset)} test digits")
 
     # NEW step 3: each rank reads its own 1/N of every epoch's shuffled order.
     sampler = DistributedSampler(train_set.dataset, num_replicas=ctx.world_size,
-                                 rank=ctx.rank, shuffle=True, seed=cfg.seed)  # fmt: skip
+                                 rank=ctx.rank, shuffle=True, seed=cfg.seed)
     loader = DataLoader(train_set.dataset, batch_size=cfg.batch_size, sampler=sampler)
 
     model = SmallCNN(dropout=cfg.dropout).to(dtype).to(ctx.device)  # float32 or float64
@@ -112,10 +112,10 @@ def train(
         metrics = evaluate(unwrap(model), test_set.dataset, ctx) if test else NOT_TESTED
         history.append({"epoch": epoch, "train_loss": stats.loss, "train_samples": stats.samples,
                         "train_seconds": stats.seconds, "test_accuracy": metrics["accuracy"],
-                        "test_loss": metrics["loss"]})  # fmt: skip
+                        "test_loss": metrics["loss"]})
         accuracy = f"{metrics['accuracy']:.4f}" if test else "not tested"
         log.info(f"epoch {epoch}: train loss {stats.loss:.4f}, test accuracy {accuracy}, "
-                 f"{stats.samples_per_s:,.0f} samples/s")  # fmt: skip
+                 f"{stats.samples_per_s:,.0f} samples/s")
         if cfg.checkpoint:  # step 5: save_checkpoint writes on rank 0, then all wait
             save_checkpoint(ctx, cfg.checkpoint, model, optimizer, epoch=epoch + 1)
 
@@ -138,20 +138,20 @@ def train(
         "checkpoint_writes_per_rank": [w for w, _ in everyone],
         "weights_checksum_per_rank": [c for _, c in everyone],
         "wall_s": time.perf_counter() - start, "history": history,
-    })  # fmt: skip
+    })
 
 
 def main() -> None:
     parser = TrainConfig.parser("Train the small CNN on MNIST with DDP.")
     parser.add_argument("--optimizer", choices=["adam", "sgd"], default="adam",
-                        help="sgd to check the all-reduce: its step is lr x gradient")  # fmt: skip
+                        help="sgd to check the all-reduce: its step is lr x gradient")
     parser.add_argument("--grad-reduce", choices=["mean", "sum"], default="mean",
-                        help="sum: a broken DDP that does not divide by N")  # fmt: skip
+                        help="sum: a broken DDP that does not divide by N")
     parser.add_argument("--float64", action="store_true",
-                        help="train in float64, for runs compared to float rounding")  # fmt: skip
+                        help="train in float64, for runs compared to float rounding")
     parser.add_argument("--no-eval", dest="test", action="store_false",
                         help="no test-set evaluation after each epoch, for runs compared "
-                             "by their weights alone")  # fmt: skip
+                             "by their weights alone")
     args = vars(parser.parse_args())
     cfg = TrainConfig.from_namespace(args, parser)
     # Full float32 on Ampere+ GPUs (no TF32 convolutions), so that runs of this

@@ -30,7 +30,7 @@ from ddp_course.tools.records import write_results
 from ddp_course.training import parameter_gap
 
 CASES = ["equal shares", "batchnorm", "uneven batches", "padded duplicates",
-         "dropout, seed+rank", "dropout, same seed"]  # fmt: skip
+         "dropout, seed+rank", "dropout, same seed"]
 FEATURES, HIDDEN, CLASSES = 20, 32, 5
 
 
@@ -86,7 +86,7 @@ def run_case(case: str, ctx: DistContext, b: int, steps: int, lr: float, seed: i
     torch.manual_seed(seed)  # one process: its own dropout masks from the seed
     sgd_steps(reference, data, glob, lr, ctx)
     return {"gap": parameter_gap(reference, model), "moved": parameter_gap(reference, initial),
-            "rank_samples": sum(map(len, mine)), "global_samples": sum(map(len, glob))}  # fmt: skip
+            "rank_samples": sum(map(len, mine)), "global_samples": sum(map(len, glob))}
 
 
 def main() -> None:
@@ -101,11 +101,11 @@ def main() -> None:
             parser.error(f"--batch-size must be at least the world size {ctx.world_size}")
         log = get_logger(ctx)
         cases = {c: run_case(c, ctx, args.batch_size, args.steps, args.lr, args.seed)
-                 for c in CASES}  # fmt: skip
+                 for c in CASES}
         for case, r in cases.items():
             log.info(f"{case:>20}: largest difference from one process {r['gap']:.1e}")
         summary = {"world_size": ctx.world_size, "steps": args.steps,
-                   "batch_size": args.batch_size, "cases": cases}  # fmt: skip
+                   "batch_size": args.batch_size, "cases": cases}
         write_results(ctx, args.results, summary)
 
 

@@ -86,7 +86,7 @@ def main():
                                             accum=args.accum),
             "no_sync": timed(DDP(make_model(args.model, dev)), args, ctx, accum=args.accum,
                              no_sync=True),
-        }  # fmt: skip
+        }
         bar.update(2)
         caps = {"BucketedDDP": {}, "torch DDP": {}}
         for name, cap in sweep:
@@ -114,7 +114,7 @@ def main():
             "backend": dist.get_backend(), "parameter_tensors": len(list(params)),
             "step": steps, "accumulation": accumulation, "bucket_sweep": caps,
             "ratios": ratios,
-        }, args=vars(args))  # fmt: skip
+        }, args=vars(args))
         if ctx.is_main and args.results:
             plot(caps, pathlib.Path(args.results).with_suffix(".png"))
 

@@ -44,7 +44,7 @@ def parse_args():
     p.add_argument("--bucket-cap-mb", type=float, default=0.5, help="bucket capacity, MB")
     p.add_argument("--accum", type=int, default=4, help="micro-batches per optimizer step")
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
-                   help="what to run (default: all three)")  # fmt: skip
+                   help="what to run (default: all three)")
     return p.parse_args()
 
 
@@ -59,7 +59,7 @@ def global_batches(args, world_size, steps, per_rank, device):
     # Drawn on the CPU (the same numbers on every device), then moved.
     return [(torch.randn(n, 784, generator=gen).to(device),
              torch.randint(0, 10, (n,), generator=gen).to(device))
-            for _ in range(steps)]  # fmt: skip
+            for _ in range(steps)]
 
 
 def sync(device):
@@ -122,7 +122,7 @@ def timeline(args, ctx, cap_mb, overlap):
     return {"buckets": len(model.buckets), "backward_returned": returned, "grad": grads,
             "grad_names": names, "bucket_names": model.bucket_names(),
             "launch": [per_bucket["launch"][i] for i in buckets],
-            "done": [per_bucket["done"].get(i, returned) for i in buckets]}  # fmt: skip
+            "done": [per_bucket["done"].get(i, returned) for i in buckets]}
 
 
 def accumulate(args, ctx, how, wrapper="BucketedDDP"):
@@ -173,7 +173,7 @@ def accumulate(args, ctx, how, wrapper="BucketedDDP"):
     buckets = len(model.buckets) if wrapper == "BucketedDDP" else None
     return {"all_reduce_calls": len(all_reduces), "synced": synced,
             "buckets": buckets, "diff_single": max_param_diff(model.module, single),
-            "rank_spread": spread}  # fmt: skip
+            "rank_spread": spread}
 
 
 def main():
@@ -184,10 +184,10 @@ def main():
         world_size = dist.get_world_size()
         results = {"world_size": world_size, "steps": args.steps, "accum": args.accum,
                    "bucket_cap_mb": args.bucket_cap_mb, "hidden": args.hidden,
-                   "layers": args.layers, "batch_size": args.batch_size}  # fmt: skip
+                   "layers": args.layers, "batch_size": args.batch_size}
         if "compare" in args.parts:
             diffs = {k: compare_with_torch(k, args, ctx)
-                     for k in ("average_gradients", "NaiveDDP", "BucketedDDP")}  # fmt: skip
+                     for k in ("average_gradients", "NaiveDDP", "BucketedDDP")}
             for kind, diff in diffs.items():
                 log.info(f"{kind:17s} max |param - torch DDP| after {args.steps} steps: {diff:.2e}")
             results["diffs"] = diffs
@@ -205,10 +205,10 @@ def main():
             results["accumulation"] = {how: accumulate(args, ctx, how) for how in ways}
             # The same three ways with torch's DDP: does its forward decide, too?
             results["accumulation_torch"] = {how: accumulate(args, ctx, how, "torch DDP")
-                                             for how in ways}  # fmt: skip
+                                             for how in ways}
             global_batch = args.batch_size * args.accum * world_size
             log.info(f"global batch = micro-batch {args.batch_size} x accumulation {args.accum} "
-                     f"x world size {world_size} = {global_batch} samples per step")  # fmt: skip
+                     f"x world size {world_size} = {global_batch} samples per step")
         write_results(ctx, args.results, results)
 
 

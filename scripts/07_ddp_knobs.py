@@ -103,7 +103,7 @@ def bucket_sizes(cap_mb, ctx, args):
     ours = BucketedDDP(net, **kwargs).bucket_bytes()
     param_bytes = [p.numel() * p.element_size() for p in net.parameters()]
     return {"torch_first_iteration": first, "torch": rebuilt, "ours": ours,
-            "parameter_bytes": param_bytes}  # fmt: skip
+            "parameter_bytes": param_bytes}
 
 
 def buffers_experiment(keyword, value, ctx, args, wrapper=DDP):
@@ -122,7 +122,7 @@ def buffers_experiment(keyword, value, ctx, args, wrapper=DDP):
         warnings.simplefilter("always")
         model = wrapper(net, **{keyword: value})
     deprecated = any(issubclass(w.category, FutureWarning) and keyword in str(w.message)
-                     for w in caught)  # fmt: skip
+                     for w in caught)
     init_equal = same_on_every_rank(net[1].running_mean, ctx.world_size)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     for step in range(args.steps):
@@ -138,7 +138,7 @@ def buffers_experiment(keyword, value, ctx, args, wrapper=DDP):
     return {"keyword": keyword, "value": value, "deprecation_warning": deprecated,
             "init_equal": init_equal,
             "running_mean_equal": same_on_every_rank(net[1].running_mean, ctx.world_size),
-            "eval_output_equal": same_on_every_rank(out, ctx.world_size)}  # fmt: skip
+            "eval_output_equal": same_on_every_rank(out, ctx.world_size)}
 
 
 def buffer_settings():
@@ -148,10 +148,10 @@ def buffer_settings():
     (read ``inspect.signature(DDP)``); older versions know only the first.
     """
     settings = [("broadcast_buffers=True", "broadcast_buffers", True),
-                ("broadcast_buffers=False", "broadcast_buffers", False)]  # fmt: skip
+                ("broadcast_buffers=False", "broadcast_buffers", False)]
     if "forward_sync_buffers" in inspect.signature(DDP).parameters:
         settings += [("forward_sync_buffers=True", "forward_sync_buffers", True),
-                     ("forward_sync_buffers=False", "forward_sync_buffers", False)]  # fmt: skip
+                     ("forward_sync_buffers=False", "forward_sync_buffers", False)]
     return settings
 
 
@@ -214,7 +214,7 @@ def memory_growth_mb(as_view, ctx, args):
     gc.collect()
     where = "CUDA memory allocated" if ctx.device.type == "cuda" else "process RSS"
     return {"memory_growth_mb": grown, "measured": where, "params_mb": params_mb,
-            "grad_storages": len(grad_storages)}  # fmt: skip
+            "grad_storages": len(grad_storages)}
 
 
 def main():
@@ -249,7 +249,7 @@ def main():
         log.info(f"buffer sync: {results['buffers']}, BucketedDDP {results['buffers_bucketed']}")
         finals = {}
         for name, kwargs in (("find_unused_parameters", {"find_unused_parameters": True}),
-                             ("static_graph", {"static_graph": True})):  # fmt: skip
+                             ("static_graph", {"static_graph": True})):
             torch.manual_seed(0)
             net = TwoHeads().to(ctx.device)
             net = train(DDP(net, **kwargs), ctx, args, head="a").module

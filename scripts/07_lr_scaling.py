@@ -89,12 +89,12 @@ def main():
                         rows.append({"world_size": n, "policy": policy, "steps": steps,
                                      "global_batch": n * args.batch_size,
                                      "peak_lr": learning_rate(policy, 10**9, n, args),
-                                     "accuracy": accuracy})  # fmt: skip
+                                     "accuracy": accuracy})
                         log.info(f"world size {n}, {policy:24s}: {steps:3d} steps, "
-                                 f"test accuracy {accuracy:.3f}")  # fmt: skip
+                                 f"test accuracy {accuracy:.3f}")
         dist.barrier()
         write_results(ctx, args.results, {"world_sizes": sizes, "epochs": args.epochs,
-                                          "rows": rows})  # fmt: skip
+                                          "rows": rows})
 
 
 if __name__ == "__main__":

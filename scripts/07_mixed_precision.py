@@ -95,7 +95,7 @@ def train(variant, ctx, args, images, labels):
                 break
     return model.module, {"steps": steps, "all_reduce_calls": calls,
                           "bytes_per_step": sum(bytes_by_step) / steps,
-                          "bytes_by_step": bytes_by_step}  # fmt: skip
+                          "bytes_by_step": bytes_by_step}
 
 
 def main():
@@ -110,12 +110,12 @@ def main():
             stats["accuracy"] = evaluate(module, test_set, ctx)["accuracy"]
             results[variant] = stats
             log.info(f"{variant:14s} accuracy {stats['accuracy']:.3f}, "
-                     f"{stats['bytes_per_step'] / 1e3:.0f} kB all-reduced per step")  # fmt: skip
+                     f"{stats['bytes_per_step'] / 1e3:.0f} kB all-reduced per step")
         write_results(ctx, args.results, {"world_size": dist.get_world_size(),
                                           "device": str(ctx.device),
                                           "powersgd": {"rank": POWERSGD_RANK,
                                                        "start_iter": POWERSGD_START},
-                                          "variants": results})  # fmt: skip
+                                          "variants": results})
 
 
 if __name__ == "__main__":

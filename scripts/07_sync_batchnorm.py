@@ -134,7 +134,7 @@ def main():
         dist.all_gather_object(all_plain, plain)
         write_results(ctx, args.results, {"world_size": n, "sync_diffs": diffs,
                                           "plain_per_rank": all_plain,
-                                          "torch_sync_batchnorm": torch_sync})  # fmt: skip
+                                          "torch_sync_batchnorm": torch_sync})
 
 
 if __name__ == "__main__":

@@ -46,18 +46,18 @@ def parse_args():
     }
     p = script_parser(__doc__, batch_size=32, hidden=64, results=None, help=meaning)
     p.add_argument("--schedule", nargs="+", choices=pipeline.SCHEDULES,
-                   default=list(pipeline.SCHEDULES), help="schedules to run")  # fmt: skip
+                   default=list(pipeline.SCHEDULES), help="schedules to run")
     p.add_argument("--microbatches", type=int, nargs="+", default=[4],
-                   help="numbers of micro-batches m (1F1B only where m >= stages)")  # fmt: skip
+                   help="numbers of micro-batches m (1F1B only where m >= stages)")
     p.add_argument("--stage-cost-s", type=float, default=0.05,
-                   help="seconds each forward sleeps (backward 2x); 0: compute only")  # fmt: skip
+                   help="seconds each forward sleeps (backward 2x); 0: compute only")
     p.add_argument("--layers", type=int, default=4, help="hidden layers of the layer stack")
     p.add_argument("--no-torch", action="store_true",
-                   help="skip the comparison with torch.distributed.pipelining")  # fmt: skip
+                   help="skip the comparison with torch.distributed.pipelining")
     p.add_argument("--sweep", action="store_true", help="the p x m grid in one JSON (minutes)")
     p.add_argument("--sweep-stages", type=int, nargs="+", default=[2, 3, 4])
     p.add_argument("--sweep-repeats", type=int, default=2,
-                   help="runs of each sleeping job; the least idle one is kept")  # fmt: skip
+                   help="runs of each sleeping job; the least idle one is kept")
     return p.parse_args()
 
 
@@ -126,7 +126,7 @@ def torch_pipelining(args, ctx, name, m, x, y, ours):
     for a, b in zip(ours.parameters(), theirs.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6)
     diff = max((a.grad - b.grad).abs().max().item()
-               for a, b in zip(ours.parameters(), theirs.parameters()))  # fmt: skip
+               for a, b in zip(ours.parameters(), theirs.parameters()))
     return diff, order
 
 
@@ -139,7 +139,7 @@ def one_step(args, ctx, name, m, x, y, ref):
         inputs=pipeline.split_microbatches(x, m), targets=pipeline.split_microbatches(y, m),
         loss_fn=cross_entropy,
         forward_sleep_s=args.stage_cost_s, backward_sleep_s=2 * args.stage_cost_s,
-    )  # fmt: skip
+    )
     ref_grads, ref_loss = ref
     for q, g in zip(stage.parameters(), ref_grads):
         torch.testing.assert_close(q.grad, g, rtol=1e-5, atol=1e-6)  # NEW: equal to one process
@@ -162,7 +162,7 @@ def one_step(args, ctx, name, m, x, y, ref):
         "torch_same_order": [r[4] for r in ranks],  # per rank; None: no torch schedule
         "loss": loss, "loss_gap": abs(loss - ref_loss),
         "timeline": timeline.to_records(),
-    }  # fmt: skip
+    }
 
 
 def main_run(args):
@@ -176,7 +176,7 @@ def main_run(args):
             for m in args.microbatches:
                 if name == "1f1b" and m < ctx.world_size:
                     log.info(f"1f1b p={ctx.world_size} m={m} skipped: 1F1B needs at least "
-                             "as many micro-batches as stages")  # fmt: skip
+                             "as many micro-batches as stages")
                     continue
                 run = one_step(args, ctx, name, m, x, y, ref)
                 runs.append(run)
@@ -184,16 +184,16 @@ def main_run(args):
                          + " ".join(f"{b:.2f}" for b in run["bubbles"])
                          + f" (formula {run['formula']:.2f}), activations held "
                          f"{run['peak_in_flight']}, |grad - one process| <= "
-                         f"{run['grad_diff']:.1e}")  # fmt: skip
+                         f"{run['grad_diff']:.1e}")
                 if run["torch_grad_diff"] is not None:
                     log.info(f"      torch.distributed.pipelining: |grad - ours| <= "
-                             f"{run['torch_grad_diff']:.1e}")  # fmt: skip
+                             f"{run['torch_grad_diff']:.1e}")
         if not runs:
             raise SystemExit("nothing to run: give 1F1B at least as many micro-batches as ranks")
         write_results(ctx, args.results,
                       {"world_size": ctx.world_size, "device": str(ctx.device),
                        "stage_cost_s": args.stage_cost_s, "batch_size": args.batch_size,
-                       "hidden": args.hidden, "layers": args.layers, "runs": runs})  # fmt: skip
+                       "hidden": args.hidden, "layers": args.layers, "runs": runs})
 
 
 def sweep(args):
@@ -201,9 +201,9 @@ def sweep(args):
     if "WORLD_SIZE" in os.environ:
         raise SystemExit("--sweep launches torchrun itself: run it with plain python")
     common = ["--batch-size", str(args.batch_size), "--hidden", str(args.hidden),
-              "--layers", str(args.layers)]  # fmt: skip
+              "--layers", str(args.layers)]
     jobs = [(p, args.stage_cost_s, ["--microbatches", "1", "2", "4", "8"])
-            for p in args.sweep_stages]  # fmt: skip
+            for p in args.sweep_stages]
     # Real compute on 2 stages, wider layers so that compute outweighs messages.
     jobs.append((2, 0.0, ["--microbatches", "1", "2", "4", "8", "--hidden", "1024"]))
     out = {"jobs": []}
@@ -212,7 +212,7 @@ def sweep(args):
             launch.torchrun(__file__, [*common, *extra, "--stage-cost-s", str(cost)],
                             nproc=p, results=True, echo=False, timeout_s=600).results
             for _ in range(args.sweep_repeats if cost > 0 else 1)
-        ]  # fmt: skip
+        ]
         job = repeats[0]
         # Interference (other programs, a late wake-up) only ever adds idle time, so
         # for each schedule and m the repeat with the least idle is the best estimate

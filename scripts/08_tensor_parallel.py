@@ -53,7 +53,7 @@ def forward_backward(model, x, target):
     with CommDebugMode() as bwd:
         mse_loss(out, target).backward()
     counts = {"forward": {str(k): v for k, v in fwd.get_comm_counts().items()},
-              "backward": {str(k): v for k, v in bwd.get_comm_counts().items()}}  # fmt: skip
+              "backward": {str(k): v for k, v in bwd.get_comm_counts().items()}}
     return out, x.grad, counts
 
 
@@ -121,11 +121,11 @@ def main():
             "ring_bytes_sent_per_all_reduce": ring.bytes_sent,
             "params_whole": sum(q.numel() for q in reference.parameters()),
             "params_per_rank": sum(q.numel() for q in ours.parameters()),
-        }  # fmt: skip
+        }
         log.info(f"{n} ranks: |ours - one process| <= {max(diffs.values()):.1e}, "
                  f"|parallelize_module - ours| <= {max(torch_diffs.values()):.1e}; "
                  f"{len(calls)} all-reduces of {payload} bytes for {args.blocks} blocks; "
-                 f"CommDebugMode, ours {our_counts}, torch {torch_counts}")  # fmt: skip
+                 f"CommDebugMode, ours {our_counts}, torch {torch_counts}")
         write_results(ctx, args.results, result)
 
 

@@ -75,16 +75,16 @@ warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a vi
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=3,
-                   help="Adam steps per variant; the last one's traffic is reported")  # fmt: skip
+                   help="Adam steps per variant; the last one's traffic is reported")
     p.add_argument("--batch-size", type=int, default=16, help="samples per rank per step")
     p.add_argument("--hidden", type=int, default=128, help="width of the MLP's hidden layers")
     p.add_argument("--lr", type=float, default=1e-3, help="Adam's learning rate")
     p.add_argument("--checkpoint", help="save the FSDP2 model and optimizer in this folder")
     p.add_argument("--resume", help="load a folder written by --checkpoint and compare")
     p.add_argument("--prefetch", action="store_true",
-                   help="FSDP2 with and without explicit prefetching, compared")  # fmt: skip
+                   help="FSDP2 with and without explicit prefetching, compared")
     p.add_argument("--meta-init", action="store_true",
-                   help="FSDP2 built on the meta device and loaded from rank 0")  # fmt: skip
+                   help="FSDP2 built on the meta device and loaded from rank 0")
     p.add_argument("--results", help="write the measurements here as JSON (rank 0)")
     return p.parse_args()
 
@@ -119,7 +119,7 @@ def full_parameters(model):
 def unsharded_bytes(model):
     """Bytes of full (not DTensor) parameters with storage right now."""
     return sum(p.untyped_storage().nbytes() for p in model.parameters()
-               if not isinstance(p, DTensor))  # fmt: skip
+               if not isinstance(p, DTensor))
 
 
 def all_gathers(counts):
@@ -137,7 +137,7 @@ def train(args, kind, batches, ctx, mesh, fsdp_seed=0, model=None):
         # NEW: fully_shard broadcasts nothing, each rank keeps its slice of its own
         # weights: every rank must build the same model (same seed) or load a checkpoint.
         model = shard_model(make_model(args, fsdp_seed, ctx), mesh,
-                            reshard_after_forward=kind.endswith("True"))  # fmt: skip
+                            reshard_after_forward=kind.endswith("True"))
     if kind == "ZeroRedundancyOptimizer":
         opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=args.lr)
     else:
@@ -151,7 +151,7 @@ def train(args, kind, batches, ctx, mesh, fsdp_seed=0, model=None):
         # rebuilt bucket order (once: from the third step on, a step is a steady one).
         with CommDebugMode() as comm, CollectiveBytes() as sent:
             loss = F.cross_entropy(model(x[ctx.rank * b : (ctx.rank + 1) * b]),
-                                   y[ctx.rank * b : (ctx.rank + 1) * b])  # fmt: skip
+                                   y[ctx.rank * b : (ctx.rank + 1) * b])
             between = unsharded_bytes(model)  # full parameters kept for backward
             loss.backward()
             opt.step()
@@ -171,7 +171,7 @@ def train(args, kind, batches, ctx, mesh, fsdp_seed=0, model=None):
         "unsharded_bytes_after_forward": between,
         "cuda_peak_bytes": (torch.cuda.max_memory_allocated(ctx.device)
                             if ctx.device.type == "cuda" else None),
-    }  # fmt: skip
+    }
     return model, opt, measured
 
 
@@ -179,7 +179,7 @@ def full_state(model, opt):
     """Model and optimizer state dicts gathered to rank 0, on CPU (empty on other ranks)."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return {"model": get_model_state_dict(model, options=options),
-            "optim": get_optimizer_state_dict(model, opt, options=options)}  # fmt: skip
+            "optim": get_optimizer_state_dict(model, opt, options=options)}
 
 
 def save_checkpoint(folder, model, opt, ctx):
@@ -200,7 +200,7 @@ class RecordingLoadPlanner(DefaultLoadPlanner):
         plan = super().create_local_plan()
         # (name, first row of the saved piece) for every piece this rank's plan reads from
         self.pieces = sorted({(item.storage_index.fqn, item.storage_index.offset[0])
-                              for item in plan.items if item.storage_index.offset})  # fmt: skip
+                              for item in plan.items if item.storage_index.offset})
         return plan
 
 
@@ -225,14 +225,14 @@ def resume_checkpoint(args, folder, ctx, mesh):
         torch.testing.assert_close(got["optim"]["state"], saved["optim"]["state"], rtol=0, atol=0)
         assert got["optim"]["param_groups"] == saved["optim"]["param_groups"]
         changed = max((before[k] - got["model"][k].to(ctx.device)).abs().max().item()
-                      for k in before)  # fmt: skip
+                      for k in before)
         out["changed_by_load"] = changed  # the fresh model was elsewhere: > 0
         out["optim_steps"] = sorted({float(s["step"]) for s in got["optim"]["state"].values()})
     # The model's saved pieces (first row, rows), and the ones each rank read from.
     meta = dcp.FileSystemReader(folder / "sharded").read_metadata().state_dict_metadata
     prefix = "model."
     out["saved_pieces"] = {fqn[len(prefix):]: sorted((c.offsets[0], c.sizes[0]) for c in m.chunks)
-                           for fqn, m in meta.items() if fqn.startswith(prefix)}  # fmt: skip
+                           for fqn, m in meta.items() if fqn.startswith(prefix)}
     read = {}
     for fqn, row in planner.pieces:
         if fqn.startswith(prefix):
@@ -269,14 +269,14 @@ def prefetch_runs(args, batches, ctx, mesh):
         order = UnitOrder(units_of(model))
         with order.recording():
             model, _, measured = train(args, f"prefetch={prefetch}", batches, ctx, mesh,
-                                       model=model)  # fmt: skip
+                                       model=model)
         params[prefetch] = full_parameters(model)
         out[prefetch] = {"events": order.events, "losses": measured["losses"]}
     # Prefetching changes when a unit is gathered, not what is computed: bit for bit.
     torch.testing.assert_close(params[True], params[False], rtol=0, atol=0)
     return {"without": out[False], "with": out[True], "units": list(units_of(model)),
             "gap": max((params[True][k] - params[False][k]).abs().max().item()
-                       for k in params[False])}  # fmt: skip
+                       for k in params[False])}
 
 
 def meta_init(args, batches, ctx, mesh, trained_normally):
@@ -313,7 +313,7 @@ def meta_init(args, batches, ctx, mesh, trained_normally):
             "broadcasts": [(c["dtype"], c["shape"], c["bytes"]) for c in loading.calls],
             "loaded_gap": max((loaded[k] - reference[k]).abs().max().item() for k in reference),
             "trained_gap": max((trained[k] - trained_normally[k]).abs().max().item()
-                               for k in trained)}  # fmt: skip
+                               for k in trained)}
 
 
 def main():
@@ -328,15 +328,15 @@ def main():
         if args.resume:
             results["resume"] = resume_checkpoint(args, pathlib.Path(args.resume), ctx, mesh)
             log.info(f"loaded {args.resume} at world size {ctx.world_size}: "
-                     "equal to the gathered full state dict")  # fmt: skip
+                     "equal to the gathered full state dict")
         else:
             n, b = ctx.world_size, args.batch_size
             x, y = synthetic_classification(args.steps * n * b).tensors
             batches = [(x[i * n * b : (i + 1) * n * b].to(ctx.device),
                         y[i * n * b : (i + 1) * n * b].to(ctx.device))
-                       for i in range(args.steps)]  # fmt: skip
+                       for i in range(args.steps)]
             kinds = ["DDP", "ZeroRedundancyOptimizer", "FSDP2 reshard_after_forward=True",
-                     "FSDP2 reshard_after_forward=False"]  # fmt: skip
+                     "FSDP2 reshard_after_forward=False"]
             variants, reference = {}, None
             for kind in kinds:
                 model, opt, measured = train(args, kind, batches, ctx, mesh)
@@ -345,7 +345,7 @@ def main():
                     reference = params
                 torch.testing.assert_close(params, reference)  # the claim: same as DDP
                 measured["gap"] = max((params[k] - reference[k]).abs().max().item()
-                                      for k in reference)  # fmt: skip
+                                      for k in reference)
                 per_rank = [None] * n
                 dist.all_gather_object(per_rank, measured)
                 variants[kind] = per_rank
@@ -354,11 +354,11 @@ def main():
                 log.info(f"{kind:34s} losses {[round(v, 4) for v in measured['losses']]}, "
                          f"|param - DDP| {measured['gap']:.1e}, rank 0 holds "
                          f"{sum(measured['held'].values()) / 1e6:.3f} MB, "
-                         f"sent {measured['sent_bytes'] / 1e6:.3f} MB in a step")  # fmt: skip
+                         f"sent {measured['sent_bytes'] / 1e6:.3f} MB in a step")
             if args.prefetch:
                 results["prefetch"] = prefetch_runs(args, batches, ctx, mesh)
                 log.info(f"FSDP2 with explicit prefetching: |param - without| "
-                         f"{results['prefetch']['gap']:.1e}")  # fmt: skip
+                         f"{results['prefetch']['gap']:.1e}")
             if args.meta_init:
                 meta = meta_init(args, batches, ctx, mesh, fsdp_params)
                 per_rank = [None] * n
@@ -366,24 +366,24 @@ def main():
                 results["meta_init"] = per_rank
                 log.info(f"FSDP2 built on meta, loaded from rank 0: |param - built normally| "
                          f"{meta['loaded_gap']:.1e}, after training "
-                         f"{meta['trained_gap']:.1e}")  # fmt: skip
+                         f"{meta['trained_gap']:.1e}")
             # What the same seed is for: FSDP2 with each rank's own start trains a mix.
             mixed, _, _ = train(args, kinds[2], batches, ctx, mesh, fsdp_seed=ctx.rank)
             mixed = full_parameters(mixed)
             results["unbroadcast_gap"] = max((mixed[k] - reference[k]).abs().max().item()
-                                             for k in reference)  # fmt: skip
+                                             for k in reference)
             log.info(f"FSDP2 started from each rank's own weights: |param - DDP| "
-                     f"{results['unbroadcast_gap']:.1e}")  # fmt: skip
+                     f"{results['unbroadcast_gap']:.1e}")
             num_params = sum(p.numel() for p in reference.values())
             results.update(variants=variants, num_params=num_params,
                            param_tensors=len(reference),
                            formula={s: state_bytes_per_rank(s, num_params, n, FP32_ADAM).__dict__
-                                    for s in (0, 1, 3)})  # fmt: skip
+                                    for s in (0, 1, 3)})
             if args.checkpoint:
                 results["checkpoint"] = save_checkpoint(pathlib.Path(args.checkpoint),
-                                                        model, opt, ctx)  # fmt: skip
+                                                        model, opt, ctx)
                 log.info(f"saved {args.checkpoint}: full.pt (rank 0) and sharded/ "
-                         f"{results['checkpoint']['files']}")  # fmt: skip
+                         f"{results['checkpoint']['files']}")
                 # Loaded back at the same world size, into a fresh model, in this job.
                 folder = pathlib.Path(args.checkpoint)
                 results["reload"] = resume_checkpoint(args, folder, ctx, mesh)

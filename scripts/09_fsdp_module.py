@@ -40,7 +40,7 @@ warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a vi
 
 OPTIMIZERS = {"sgd": (torch.optim.SGD, 0.1), "adamw": (torch.optim.AdamW, 1e-3)}
 KINDS = ("FSDP", "FSDP reshard_after_forward=False", "FSDP bfloat16", "ZeRO-3",
-         "FSDP2", "FSDP2 reshard_after_forward=False", "FSDP2 bfloat16")  # fmt: skip
+         "FSDP2", "FSDP2 reshard_after_forward=False", "FSDP2 bfloat16")
 
 
 def parse_args():
@@ -66,12 +66,12 @@ def build(kind, optimizer, args, ctx, mesh):
         policy = MixedPrecisionPolicy(torch.bfloat16 if bf16 else None, torch.float32)
         for unit in units:
             fully_shard(unit, mesh=mesh, mp_policy=policy,
-                        reshard_after_forward=not kind.endswith("False"))  # fmt: skip
+                        reshard_after_forward=not kind.endswith("False"))
         model = fully_shard(model, mesh=mesh, mp_policy=policy)
     elif kind != "one process":
         dtype = torch.bfloat16 if kind.endswith("bfloat16") else None
         model = FSDP(model, units=units, compute_dtype=dtype,
-                     reshard_after_forward=not kind.endswith("False"))  # fmt: skip
+                     reshard_after_forward=not kind.endswith("False"))
     # NEW: an ordinary optimizer over model.parameters(): FSDP's are this rank's shards.
     return model, opt_class(model.parameters(), lr=lr)
 
@@ -83,7 +83,7 @@ def full_parameters(model):
     if isinstance(model, ZeRO):
         return model.full_parameters()
     return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-            for name, p in model.named_parameters()}  # fmt: skip
+            for name, p in model.named_parameters()}
 
 
 def local_shape(p):
@@ -107,7 +107,7 @@ def train(kind, optimizer, batches, args, ctx, mesh):
         "params": full_parameters(model),
         "calls": [
             (c["op"], c["bytes"], c["dtype"]) for c in log.calls if c["phase"] == len(batches) - 1
-        ],  # fmt: skip
+        ],
         "held": held_bytes(model if isinstance(model, ZeRO) else inner, opt).__dict__,
         # What the learner's code sees: model.parameters() and the optimizer's tensors.
         "parameters": [local_shape(p) for p in inner.parameters()],
@@ -115,7 +115,7 @@ def train(kind, optimizer, batches, args, ctx, mesh):
     }
     if isinstance(model, FSDP):
         measured.update(formula=model.step_traffic().__dict__, unit_bytes=model.unit_bytes(),
-                        peak=model.peak_gathered_bytes)  # fmt: skip
+                        peak=model.peak_gathered_bytes)
     return measured
 
 
@@ -134,7 +134,7 @@ def main():
         x, y = synthetic_classification(args.steps * n * b).tensors
         batches = [(x[i * n * b : (i + 1) * n * b].to(ctx.device),
                     y[i * n * b : (i + 1) * n * b].to(ctx.device))
-                   for i in range(args.steps)]  # fmt: skip
+                   for i in range(args.steps)]
         torch.manual_seed(0)  # the start every variant trains from
         start = {k: v.to(ctx.device) for k, v in MLP(hidden=args.hidden).state_dict().items()}
         results = {"world_size": n, "device": ctx.device.type, "runs": {}}

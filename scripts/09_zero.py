@@ -45,12 +45,12 @@ DEFAULT_LR = {"adam": 1e-3, "sgd": 0.1}
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--stage", type=int, nargs="+", default=[0, 1, 2, 3], choices=range(4),
-                   help="stages to run; 0 is torch's DDP")  # fmt: skip
+                   help="stages to run; 0 is torch's DDP")
     p.add_argument("--optimizer", nargs="+", choices=sorted(OPTIMIZERS), default=["adam"],
                    help="sgd: plain SGD (no momentum), where a gradient's scale shows; "
-                        "several: each in turn")  # fmt: skip
+                        "several: each in turn")
     p.add_argument("--steps", type=int, default=3,
-                   help="steps per stage; the last one's traffic is reported")  # fmt: skip
+                   help="steps per stage; the last one's traffic is reported")
     p.add_argument("--batch-size", type=int, default=16, help="samples per rank per step")
     p.add_argument("--hidden", type=int, default=128, help="width of the MLP's hidden layers")
     p.add_argument("--lr", type=float, help="learning rate (default: 1e-3 adam, 0.1 sgd)")
@@ -120,7 +120,7 @@ def run_group(args, stages, images, labels, ranks, ctx):
         return []
     n, rank = len(ranks), dist.get_rank(group)
     batches = [(x.to(ctx.device), y.to(ctx.device))
-               for x, y in global_batches(args, images, labels, n)]  # fmt: skip
+               for x, y in global_batches(args, images, labels, n)]
     ddp_model, ddp_opt, ddp_sent, ddp_seen = train_ddp(args, batches, rank, group, ctx)
     reference = {k: p.detach() for k, p in ddp_model.named_parameters()}
     # How far training moved the parameters from rank 0's start (what DDP broadcast):
@@ -144,10 +144,10 @@ def run_group(args, stages, images, labels, ranks, ctx):
             torch.testing.assert_close(full, reference)  # the claim: ZeRO trains like DDP
             gap = max((full[k] - reference[k]).abs().max().item() for k in reference)
         cuda_peak = (torch.cuda.max_memory_allocated(ctx.device)
-                     if ctx.device.type == "cuda" else None)  # fmt: skip
+                     if ctx.device.type == "cuda" else None)
         per_rank = [None] * n
         dist.all_gather_object(per_rank, {"held": held.__dict__, "cuda_peak_bytes": cuda_peak},
-                               group=group)  # fmt: skip
+                               group=group)
         formula = state_bytes_per_rank(stage, num_params, n, OPTIMIZERS[args.optimizer][1])
         rows.append({"optimizer": args.optimizer, "lr": args.lr,
                      "stage": stage, "world_size": n, "num_params": num_params,
@@ -155,7 +155,7 @@ def run_group(args, stages, images, labels, ranks, ctx):
                      "per_rank": per_rank,
                      "formula": formula.__dict__, "sent_bytes": sent,
                      "ddp_sent_bytes": ddp_sent, "logged_calls": logged,
-                     "torch_calls": seen.calls, "peak_gathered_bytes": peak_gathered})  # fmt: skip
+                     "torch_calls": seen.calls, "peak_gathered_bytes": peak_gathered})
     return rows
 
 
@@ -181,10 +181,10 @@ def main():
                      f"|param - DDP| {r['gap']:.1e}; "
                      f"rank 0 holds {sum(held.values()) / 1e6:.3f} MB "
                      f"(formula {sum(r['formula'].values()) / 1e6:.3f}), "
-                     f"{r['sent_bytes'] / 1e6:.3f} MB into collectives in a step")  # fmt: skip
+                     f"{r['sent_bytes'] / 1e6:.3f} MB into collectives in a step")
         write_results(ctx, args.results, {"world_size": ctx.world_size,
                                           "device": ctx.device.type, "steps": args.steps,
-                                          "optimizers": args.optimizer, "rows": rows})  # fmt: skip
+                                          "optimizers": args.optimizer, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -80,7 +80,7 @@ from ddp_course.training import sgd_step_fn
 
 MODES = ["collectives", "scaling", "knobs", "model", "trace"]
 TINY = {"min_bytes": 4096, "max_bytes": 65536, "repeats": 2, "warmup": 1, "hidden": 64,
-        "layers": 2, "batch_size": 8, "caps": [0.01, 1.0], "steps": 2}  # fmt: skip
+        "layers": 2, "batch_size": 8, "caps": [0.01, 1.0], "steps": 2}
 
 
 def parse_args():
@@ -100,7 +100,7 @@ def parse_args():
     p.add_argument("--repeats", type=int, default=10, help="timed iterations per setting")
     p.add_argument("--layers", type=int, default=6, help="LayerStack hidden layers")
     p.add_argument("--caps", type=float, nargs="+", default=[0.5, 1, 2, 5, 10, 25, 50],
-                   help="bucket_cap_mb values (knobs, model)")  # fmt: skip
+                   help="bucket_cap_mb values (knobs, model)")
     p.add_argument("--accum", type=int, default=4, help="micro-batches per step (no_sync)")
     p.add_argument("--chrome-trace", help="keep rank 0's trace of torch's DDP here (trace)")
     p.add_argument("--tiny", action="store_true", help="tiny sizes and repeats: seconds")
@@ -190,13 +190,13 @@ def run_collectives(ctx, args, log):
         bus = busbw(s, b["median_s"], name, ctx.world_size)
         rows.append({"mode": "collectives", "collective": name, "world_size": ctx.world_size,
                      "bytes": s, **b, "algbw_GBps": algbw(s, b["median_s"]) / 1e9,
-                     "busbw_GBps": bus / 1e9})  # fmt: skip
+                     "busbw_GBps": bus / 1e9})
     summary = {}
     if ctx.world_size > 1:
         for name, fit in fit_each(rows).items():
             summary[name] = {"alpha_s": fit.alpha, "bandwidth_GBps": fit.bandwidth / 1e9,
                              "busbw_plateau_GBps": busbw_plateau(fit, name, ctx.world_size) / 1e9,
-                             "half_bandwidth_bytes": fit.half_bandwidth_bytes}  # fmt: skip
+                             "half_bandwidth_bytes": fit.half_bandwidth_bytes}
             # A bandwidth is resolved only where the sweep reached the size that takes half of
             # it (alpha / beta); below that, 1/beta is an extrapolation from latency noise.
             largest = max(r["bytes"] for r in rows if r["collective"] == name)
@@ -244,13 +244,13 @@ def run_scaling(ctx, args, log):
         b = per_rank_batch[(kind, n, threads)]
         rows.append({"mode": "scaling", "kind": kind, "world_size": n,
                      "threads_per_rank": threads, "oversubscribed": n * threads > cpus,
-                     "per_rank_batch": b, "global_batch": b * n, **stats(ts)})  # fmt: skip
+                     "per_rank_batch": b, "global_batch": b * n, **stats(ts)})
     summary = {"cpus": cpus}
     fair = [r for r in rows if r["threads_per_rank"] == 1]
     for kind in ("strong", "weak"):
         mine = sorted((r for r in fair if r["kind"] == kind), key=lambda r: r["world_size"])
         table = efficiency_table([r["world_size"] for r in mine],
-                                 [r["median_s"] for r in mine], kind, args.batch_size)  # fmt: skip
+                                 [r["median_s"] for r in mine], kind, args.batch_size)
         summary[kind] = table
         ns, sp = [r["world_size"] for r in table], [r["speedup"] for r in table]
         if len(ns) > 1:
@@ -280,22 +280,22 @@ def run_knobs(ctx, args, log):
     settings = {}
     for cap in args.caps:
         settings[f"torch DDP cap={cap:g}"] = sgd_step_fn(DDP(make_model(args, dev),
-                                                            bucket_cap_mb=cap), x, y)  # fmt: skip
+                                                            bucket_cap_mb=cap), x, y)
     settings["BucketedDDP cap=25"] = sgd_step_fn(BucketedDDP(make_model(args, dev)), x, y)
     settings["torch DDP cap=25"] = sgd_step_fn(DDP(make_model(args, dev)), x, y)
     for name, hook in (("fp16", default_hooks.fp16_compress_hook),
-                       ("bf16", default_hooks.bf16_compress_hook)):  # fmt: skip
+                       ("bf16", default_hooks.bf16_compress_hook)):
         model = DDP(make_model(args, dev))
         model.register_comm_hook(None, hook)
         settings[f"{name} hook cap=25"] = sgd_step_fn(model, x, y)
     xs, ys = x[: max(1, args.batch_size // args.accum)], y[: max(1, args.batch_size // args.accum)]
     settings["sync every micro-batch"] = sgd_step_fn(DDP(make_model(args, dev)), xs, ys,
-                                                    accum=args.accum)  # fmt: skip
+                                                    accum=args.accum)
     settings["no_sync"] = sgd_step_fn(DDP(make_model(args, dev)), xs, ys, accum=args.accum,
-                                     no_sync=True)  # fmt: skip
+                                     no_sync=True)
     times = timed("knobs", settings, ctx, args)
     rows = [{"mode": "knobs", "setting": name, "world_size": ctx.world_size, **stats(ts)}
-            for name, ts in times.items()]  # fmt: skip
+            for name, ts in times.items()]
     med = {r["setting"]: r["median_s"] for r in rows}
     ratios = {
         "BucketedDDP / torch DDP": med["BucketedDDP cap=25"] / med["torch DDP cap=25"],
@@ -327,7 +327,7 @@ def phased_step(model, x, y, ctx, phases):
         opt.step()
         sync(ctx)
         for name, seconds in (("forward", t1 - t0), ("backward", t2 - t1),
-                              ("optimizer", time.perf_counter() - t2)):  # fmt: skip
+                              ("optimizer", time.perf_counter() - t2)):
             phases.setdefault(name, []).append(seconds)
 
     return step
@@ -401,9 +401,9 @@ def run_model(ctx, args, log):
     together = {c: phase_medians(ctx, phases[("together", c)], args.warmup) for c in args.caps}
     plain_s = sum(alone["plain"].values())
     ar_rows = [{"collective": "all_reduce", "bytes": s, **stats(times[("all_reduce", s)])}
-               for s in sizes]  # fmt: skip
+               for s in sizes]
     rows = [{"mode": "model", "setting": "all_reduce", "bytes": r["bytes"], "world_size": n,
-             "median_s": r["median_s"], "iqr_s": r["iqr_s"]} for r in ar_rows]  # fmt: skip
+             "median_s": r["median_s"], "iqr_s": r["iqr_s"]} for r in ar_rows]
     # One rank communicates nothing: the model is its compute alone.
     fit = fit_each(ar_rows)["all_reduce"] if n > 1 else AlphaBeta(0.0, 0.0)
     threads, cpus = torch.get_num_threads(), os.cpu_count() or 1
@@ -435,18 +435,18 @@ def run_model(ctx, args, log):
                      "remeasured_s": remeasured,
                      "predicted_over_measured": predicted / measured["median_s"],
                      "overlapped_over_measured": hidden / measured["median_s"],
-                     "no_overlap_over_measured": serial / measured["median_s"]})  # fmt: skip
+                     "no_overlap_over_measured": serial / measured["median_s"]})
         log.info(f"cap {cap:g} MB: predicted from one rank {1e3 * predicted:.1f} ms, "
-                 f"measured {1e3 * measured['median_s']:.1f} ms")  # fmt: skip
+                 f"measured {1e3 * measured['median_s']:.1f} ms")
     buckets = {f"{c:g}": w.bucket_bytes() for c, w in wrapped.items()}
     summary = {"compute_s": alone["plain"], "gradient_bytes": grad_bytes, "overlap": overlap,
                "compute_slowdown": slowdown, "threads_per_rank": threads, "cpus": cpus,
-               "bucket_bytes": buckets}  # fmt: skip
+               "bucket_bytes": buckets}
     if n > 1:
         summary["all_reduce_fit"] = {"alpha_s": fit.alpha, "bandwidth_GBps": fit.bandwidth / 1e9}
         on, off = stats(times[("BucketedDDP", probe)]), stats(times[("no overlap", probe)])
         summary["overlap_probe"] = {"bucket_cap_mb": probe, "overlap": on, "no_overlap": off,
-                                    "ratio": off["median_s"] / on["median_s"]}  # fmt: skip
+                                    "ratio": off["median_s"] / on["median_s"]}
     return rows, summary
 
 
@@ -464,7 +464,7 @@ def run_trace(ctx, args, log):
         "BucketedDDP cap=1": lambda: BucketedDDP(make_model(args, dev), bucket_cap_mb=1),
         "BucketedDDP cap=1 no overlap": lambda: BucketedDDP(make_model(args, dev),
                                                             bucket_cap_mb=1, overlap=False),
-    }  # fmt: skip
+    }
     rows, kept = [], None
     bar = tqdm(total=len(wrappers), desc="trace", disable=args.hide)
     for name, build in wrappers.items():
@@ -496,14 +496,14 @@ def run_trace(ctx, args, log):
         rows.append({"mode": "trace", "setting": name, "world_size": ctx.world_size,
                      "steps": args.steps,
                      **({k: v for k, v in report.items()} if report else {}),
-                     "least_overlap_fraction_over_ranks": least})  # fmt: skip
+                     "least_overlap_fraction_over_ranks": least})
         bar.update()
         barrier(ctx)
     bar.close()
     for r in rows:
         if "overlap_fraction" in r:
             log.info(f"{r['setting']}: {100 * r['overlap_fraction']:.0f}% of all-reduce time "
-                     "overlaps backward (rank 0)")  # fmt: skip
+                     "overlaps backward (rank 0)")
     if args.chrome_trace and ctx.is_main:
         out = pathlib.Path(args.chrome_trace)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -512,7 +512,7 @@ def run_trace(ctx, args, log):
 
 
 RUN = {"collectives": run_collectives, "scaling": run_scaling, "knobs": run_knobs,
-       "model": run_model, "trace": run_trace}  # fmt: skip
+       "model": run_model, "trace": run_trace}
 
 
 def main():

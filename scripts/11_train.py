@@ -50,9 +50,9 @@ from ddp_course.training import evaluate
 def parse_args() -> argparse.Namespace:
     meaning = {"epochs": "passes over the 4,000 digits", "lr": "SGD learning rate (momentum 0.9)"}
     p = script_parser(__doc__, epochs=2, batch_size=32, lr=0.05, seed=0, checkpoint=None,
-                      results=None, help=meaning)  # fmt: skip
+                      results=None, help=meaning)
     p.add_argument("--checkpoint-every", type=int, default=0,
-                   help="also save every N steps (0: at epoch ends only)")  # fmt: skip
+                   help="also save every N steps (0: at epoch ends only)")
     p.add_argument("--die-at-step", type=int, help="global step at which --die-rank is killed")
     p.add_argument("--max-steps", type=int, help="stop each epoch after this many steps (tests)")
     p.add_argument("--die-rank", type=int, default=0, help="rank that --die-at-step kills")
@@ -91,7 +91,7 @@ def who_am_i(ctx: DistContext) -> dict:
         "world_size": ctx.world_size, "local_world_size": ctx.local_world_size,
         "host": socket.gethostname(), "pid": os.getpid(), "restart_count": restart_count(),
         "device": str(ctx.device), "backend": ctx.backend,
-    }  # fmt: skip
+    }
 
 
 def peer_addresses() -> list[str]:
@@ -132,7 +132,7 @@ def train(ctx: DistContext, args: argparse.Namespace) -> None:
     # separate newline let two ranks' lines run together.
     print(f"global rank {me['rank']}, local rank {me['local_rank']}, group rank "
           f"{me['group_rank']}, world size {me['world_size']}, restart count "
-          f"{me['restart_count']}\n", end="", flush=True)  # fmt: skip
+          f"{me['restart_count']}\n", end="", flush=True)
     ranks = gather(ctx, me)
 
     seed_everything(args.seed)
@@ -143,7 +143,7 @@ def train(ctx: DistContext, args: argparse.Namespace) -> None:
         model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     sampler = DistributedSampler(range(len(y)), num_replicas=ctx.world_size, rank=ctx.rank,
-                                 shuffle=True, seed=args.seed)  # fmt: skip
+                                 shuffle=True, seed=args.seed)
     steps_per_epoch = -(-sampler.num_samples // args.batch_size)
     if args.max_steps:
         steps_per_epoch = min(steps_per_epoch, args.max_steps)
@@ -161,7 +161,7 @@ def train(ctx: DistContext, args: argparse.Namespace) -> None:
         if snap["world_size"] != ctx.world_size and step > 0:
             # Another world size shards the epoch differently: redo it whole.
             log.info(f"world size {snap['world_size']} -> {ctx.world_size}: epoch {epoch} "
-                     "starts again")  # fmt: skip
+                     "starts again")
             step, loss_sum, seen = 0, 0.0, 0
         resumed_from = {"epoch": epoch, "step": step}
         log.info(f"resumed from the snapshot at epoch {epoch}, step {step}")
@@ -176,7 +176,7 @@ def train(ctx: DistContext, args: argparse.Namespace) -> None:
             save_checkpoint(ctx, args.checkpoint, model, optimizer, epoch=next_epoch,
                             step=next_step, loss_sum=sums[0].item(), samples=int(sums[1]),
                             sampler_epoch=sampler.epoch, world_size=ctx.world_size,
-                            world_sizes=world_sizes, rng=rng_states())  # fmt: skip
+                            world_sizes=world_sizes, rng=rng_states())
 
     loss_fn, history, start = nn.CrossEntropyLoss(), [], time.perf_counter()
     while epoch < args.epochs:
@@ -186,7 +186,7 @@ def train(ctx: DistContext, args: argparse.Namespace) -> None:
         for s in range(step, steps_per_epoch):
             global_step = epoch * steps_per_epoch + s
             if (args.die_at_step == global_step and ctx.rank == args.die_rank
-                    and restart_count() == 0):  # fmt: skip
+                    and restart_count() == 0):
                 print(f"rank {ctx.rank}: SIGKILL at step {global_step}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
             idx = order[s * args.batch_size : (s + 1) * args.batch_size]
@@ -205,9 +205,9 @@ def train(ctx: DistContext, args: argparse.Namespace) -> None:
             dist.all_reduce(total)
         acc = evaluate(unwrap(model), test_set, ctx)["accuracy"]
         history.append({"epoch": epoch, "train_loss": (total[0] / total[1]).item(),
-                        "test_accuracy": acc})  # fmt: skip
+                        "test_accuracy": acc})
         log.info(f"epoch {epoch}: train loss {history[-1]['train_loss']:.4f}, "
-                 f"test accuracy {acc:.4f}")  # fmt: skip
+                 f"test accuracy {acc:.4f}")
         epoch, step, loss_sum, seen = epoch + 1, 0, 0.0, 0
         snapshot(epoch, 0)
         if ctx.world_size < args.wait_for_world and epoch < args.epochs:
@@ -229,7 +229,7 @@ def train(ctx: DistContext, args: argparse.Namespace) -> None:
         "parameters_sha256": parameter_digest(model),
         "parameters_sum": sum(p.double().sum().item() for p in unwrap(model).parameters()),
         "history": history, "wall_s": time.perf_counter() - start,
-    })  # fmt: skip
+    })
 
 
 def main() -> None:

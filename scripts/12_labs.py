@@ -180,7 +180,7 @@ def lab_divergent(ctx, args, log):
         before = _gap(model, ctx)
         _train_by_hand(model, ctx)
         found[variant] = {"gap_before": before, "gap_after": _gap(model, ctx),
-                          "differ": debug.models_differ(model)}  # fmt: skip
+                          "differ": debug.models_differ(model)}
         log.info(f"divergent: {variant}: {found[variant]}")
     torch.manual_seed(ctx.rank)  # the bug again, now under DDP
     ddp = on_device(MLP(in_features=8, hidden=16, depth=1, num_classes=2), ctx)

@@ -103,7 +103,7 @@ def main():
             write_results(ctx, args.results, {
                 "world_size": ctx.world_size, "slow_rank": slow, "sleep_s": args.sleep_s,
                 "stragglers": found, "ranks": per_rank, "profiles": profiles,
-            })  # fmt: skip
+            })
 
 
 if __name__ == "__main__":

@@ -66,7 +66,7 @@ def parse_args():
     p.add_argument("--pp", type=int, default=1, help="pipeline stages")
     p.add_argument("--replicate", type=int, default=1,
                    help="HSDP: the --dp ranks as this many replicas of sharded copies "
-                   "(must divide --dp; 1: FSDP over all --dp ranks)")  # fmt: skip
+                   "(must divide --dp; 1: FSDP over all --dp ranks)")
     p.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--steps", type=int, default=300)
@@ -80,11 +80,11 @@ def parse_args():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--check", action="store_true", help="train DDP too and compare")
     p.add_argument("--eval-every", type=int, default=25,
-                   help="steps between validation losses (0: none)")  # fmt: skip
+                   help="steps between validation losses (0: none)")
     p.add_argument("--eval-batches", type=int, default=2,
-                   help="fixed held-out batches each validation loss averages")  # fmt: skip
+                   help="fixed held-out batches each validation loss averages")
     p.add_argument("--peak-flops", type=float, help="GPU's dense bfloat16 peak, FLOP/s, for MFU "
-                   "(default: looked up by the exact device name)")  # fmt: skip
+                   "(default: looked up by the exact device name)")
     p.add_argument("--sample", type=int, default=200, help="bytes of text to sample at the end")
     p.add_argument("--suite", action="store_true", help="every layout against one process")
     p.add_argument("--checkpoint", default="build/13_gpt_dcp", help="--suite: DCP folder")
@@ -122,10 +122,10 @@ def check_run(args, ctx, lay):
 
 def run_training(args, ctx, log):
     config = dict(d_model=args.d_model, n_heads=args.n_heads, n_layers=args.n_layers,
-                  seq_len=args.seq_len)  # fmt: skip
+                  seq_len=args.seq_len)
     data = "hsdp" if args.replicate > 1 else "fsdp"  # NEW: --replicate R makes it HSDP
     lay = ml.Layout("run", dp=args.dp, tp=args.tp, pp=args.pp, data=data,
-                    replicate=args.replicate, sequence_parallel=args.sp)  # fmt: skip
+                    replicate=args.replicate, sequence_parallel=args.sp)
     check_run(args, ctx, lay)
     global_batch = args.batch_size * args.dp
     # NEW: bfloat16 is mixed precision: float32 master weights, bfloat16 compute.
@@ -134,7 +134,7 @@ def run_training(args, ctx, log):
     batches = runs.global_batches(args.steps, global_batch, args.seq_len, args.seed, ctx.device)
     # NEW: fixed batches of the held-out text, the same at every evaluation and on every rank.
     held_out = runs.global_batches(args.eval_batches, global_batch, args.seq_len, args.seed,
-                                   ctx.device, split="val")  # fmt: skip
+                                   ctx.device, split="val")
 
     def validation():
         return {"every": args.eval_every, "batches": held_out} if args.eval_every else None
@@ -142,7 +142,7 @@ def run_training(args, ctx, log):
     def train(lay, model, val):
         clock = functools.partial(mesh_counts.synced_clock, ctx.device)
         return runs.train(lay, model, batches, ctx, runs.adamw, args.lr, compute, clock=clock,
-                          val=val)  # fmt: skip
+                          val=val)
 
     model = runs.new_model(config, dtype, ctx.device, args.seed)
     n_params = sum(p.numel() for p in model.parameters())
@@ -158,7 +158,7 @@ def run_training(args, ctx, log):
               "config": config, "dtype": args.dtype, "master_dtypes": runs.master_dtypes(mm.module),
               "head_output_dtypes": sorted(computed), "losses": losses, "params": n_params,
               "warmup_steps": args.warmup, "timed_steps": speed.pop("timed_steps"),
-              "step_seconds": step_seconds, "seconds": speed.pop("seconds")}  # fmt: skip
+              "step_seconds": step_seconds, "seconds": speed.pop("seconds")}
     if val is not None:
         result["val_steps"] = val["steps"]
         result["val_losses"] = runs.same_on_every_rank(ctx, val["losses"], "validation losses")
@@ -169,10 +169,10 @@ def run_training(args, ctx, log):
         log.info(f"tokens/s skipped: {speed['tokens_per_s_skipped']}")
     per_token = flops.flops_per_token(n_matmul, args.n_layers, args.d_model, args.seq_len)
     result |= mesh_counts.mfu_fields(result["tokens_per_s"], ctx.world_size, gpu, args.dtype,
-                                     args.peak_flops, per_token)  # fmt: skip
+                                     args.peak_flops, per_token)
     if "mfu" in result:
         log.info(f"MFU {result['mfu']:.2%} of the {gpu}'s dense bfloat16 peak, "
-                 f"{result['peak_flops']:.4g} FLOP/s")  # fmt: skip
+                 f"{result['peak_flops']:.4g} FLOP/s")
     else:
         log.info(result["mfu_skipped"])
     if args.check:  # NEW: the same weights and batches with DDP over every rank
@@ -194,7 +194,7 @@ def run_training(args, ctx, log):
     rate = "" if result["tokens_per_s"] is None else f", {result['tokens_per_s']:,.0f} tokens/s"
     held = "" if val is None else f", validation loss {val['losses'][-1]:.3f}"
     log.info(f"{lay.pp}x{lay.dp}x{lay.tp} (pp x dp x tp, {lay.data}): loss {losses[0]:.3f} -> "
-             f"{losses[-1]:.3f} in {args.steps} steps{held}{rate}")  # fmt: skip
+             f"{losses[-1]:.3f} in {args.steps} steps{held}{rate}")
     write_results(ctx, args.results, result, args=vars(args))
 
 

@@ -51,7 +51,7 @@ def main():
         n = ctx.world_size
         result = {"world_size": n, "batch_size": args.batch_size, "seq_len": args.seq_len,
                   "d_model": args.d_model, "heads": args.n_heads, "layers": args.n_layers,
-                  "steps": args.steps, "block": {}, "gpt": {}}  # fmt: skip
+                  "steps": args.steps, "block": {}, "gpt": {}}
         ref = runs.reference_training(args, ctx.device)
         for name, seq_par in LAYOUTS:
             block = counts.block_check(args, ctx, seq_par, BLOCK_TOL)
@@ -66,7 +66,7 @@ def main():
             diff = max(runs.max_diff(full[k], q, GPT_TOL) for k, q in ref.items())
             result["gpt"][name] = {"max_diff_after_steps": diff,
                                    "calls_per_step": step_log.summary("step 0"),
-                                   "losses": losses}  # fmt: skip
+                                   "losses": losses}
         # What autograd keeps for backward: the LayerNorms, then a whole block against
         # Korthikanti et al. 2022.
         result["layernorm_saved_bytes"] = {
@@ -85,7 +85,7 @@ def main():
                  f"{args.steps} steps {result['gpt']['TP']['max_diff_after_steps']:.1e} and "
                  f"{result['gpt']['TP+SP']['max_diff_after_steps']:.1e}; bytes sent per rank "
                  f"per block (ring model) forward {tp['ring_bytes']['forward']} (TP) and "
-                 f"{tpsp['ring_bytes']['forward']} (TP+SP)")  # fmt: skip
+                 f"{tpsp['ring_bytes']['forward']} (TP+SP)")
         write_results(ctx, args.results, result, args=vars(args))
 
 

@@ -69,17 +69,17 @@ def parse_args():
         "seed": "seeds the weights and dropout",
     }
     p = script_parser(__doc__, d_model=64, n_heads=4, n_layers=2, seq_len=32, batch_size=4,
-                      steps=3, seed=0, results=None, help=meaning)  # fmt: skip
+                      steps=3, seed=0, results=None, help=meaning)
     p.add_argument("--dropout", type=float, default=0.1, help="dropout probability")
     policies = recompute_policies.POLICIES
     p.add_argument("--policy", nargs="+", choices=policies, default=list(policies),
-                   help="checkpointing policies to measure")  # fmt: skip
+                   help="checkpointing policies to measure")
     return p.parse_args()
 
 
 def config(args):
     return {"d_model": args.d_model, "n_heads": args.n_heads, "n_layers": args.n_layers,
-            "seq_len": args.seq_len, "dropout": args.dropout, "flash": False}  # fmt: skip
+            "seq_len": args.seq_len, "dropout": args.dropout, "flash": False}
 
 
 def step(model, x, y, seed):
@@ -110,7 +110,7 @@ def measure_policy(args, policy, dev, x, y, reference):
     # CUDA's fused dropout keeps a 1-byte mask; a CPU's keeps one in the input's dtype.
     mask_bytes = 1 if dev.type == "cuda" else None
     predicted = am.predict_activations(config(args), args.batch_size, args.seq_len, policy,
-                                       mask_bytes=mask_bytes)  # fmt: skip
+                                       mask_bytes=mask_bytes)
     times = []
     for _ in range(args.steps):
         model.zero_grad(set_to_none=True)
@@ -123,7 +123,7 @@ def measure_policy(args, policy, dev, x, y, reference):
            "predicted_bytes": predicted["held"], "recompute_bytes": predicted["recompute"],
            "flops": flops.get_total_flops(), "grads_equal_none": equal,
            "step_s": statistics.median(times), "step_s_min": min(times),
-           "step_s_max": max(times), "threads": torch.get_num_threads()}  # fmt: skip
+           "step_s_max": max(times), "threads": torch.get_num_threads()}
     if dev.type == "cuda":
         # The allocator's peak above the weights: activations, gradients, logits and the
         # region recomputed in backward, with the temporaries and rounding of the bound.
@@ -151,7 +151,7 @@ def measure_policy(args, policy, dev, x, y, reference):
             activations=predicted["held"], recompute=predicted["recompute"],
             gradients=gradients, logits=logits,
             largest=4 * max(4 * s * b * h, a * s * s * b), tensors=tensors,
-        )  # fmt: skip
+        )
         row["cuda_peak_bytes"] = peak
         # Not a point prediction of the peak: every gradient and the recomputed region on
         # top of every activation, which never coexist (the bound below is the check).
@@ -180,7 +180,7 @@ def fsdp_mixed_precision(args, ctx):
     local_params = sum(shard_numel(shape, r, n) for shape in shapes)
     # The all-gather's output pads each parameter's dim 0 to n equal chunks.
     block_padded = sum(math.ceil(p.shape[0] / n) * n * p[0].numel()
-                       for p in model.blocks[0].parameters())  # fmt: skip
+                       for p in model.blocks[0].parameters())
     # NEW: parameters stored sharded in float32, gathered in bfloat16 for compute,
     # gradients reduce-scattered in float32.
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -196,7 +196,7 @@ def fsdp_mixed_precision(args, ctx):
     for block in model.blocks:
         block.attn.register_forward_pre_hook(during_compute)
     x, y = lm_batch(shakespeare_bytes("train"), args.batch_size, args.seq_len,
-                    torch.Generator().manual_seed(args.seed))  # fmt: skip
+                    torch.Generator().manual_seed(args.seed))
     comms = CollectiveLog()
     with comms.recording("forward"):  # all-gathers: the root's parameters, then each block's
         logits = model(x.to(ctx.device))
@@ -220,14 +220,14 @@ def fsdp_mixed_precision(args, ctx):
     tensors = len(list(model.parameters()))
     formula = {"sharded_parameters": 4 * local_params, "unsharded_bf16_block": 2 * block_padded,
                "sharded_gradients": 4 * local_params,
-               "adamw_state": 8 * local_params + 4 * tensors}  # fmt: skip
+               "adamw_state": 8 * local_params + 4 * tensors}
     return {"rank": ctx.rank, "parameters": n_params, "measured": measured, "formula": formula}
 
 
 # (order, reshard_after_forward): None is FSDP2's default, the blocks reshard after
 # forward and the root keeps its weights for backward, which starts with them.
 AC_RUNS = [("no_ac", None), ("ac_then_fsdp", None), ("fsdp_then_ac", None),
-           ("ac_around_root", None), ("no_ac", False)]  # fmt: skip
+           ("ac_around_root", None), ("no_ac", False)]
 
 
 def train_two_steps(model, run, x, y, comms=None):
@@ -258,7 +258,7 @@ def fsdp_checkpointing(args, ctx):
     cfg = config(args) | {"dropout": 0.0}
     batches = [lm_batch(shakespeare_bytes("train"), args.batch_size, args.seq_len,
                         torch.Generator().manual_seed(args.seed + 1 + k))
-               for k in range(ctx.world_size)]  # fmt: skip
+               for k in range(ctx.world_size)]
     # One process on every rank's batch: the mean loss equals the mean of the ranks' means.
     torch.manual_seed(args.seed)
     one = TinyGPT(**cfg).to(ctx.device)
@@ -292,14 +292,14 @@ def fsdp_checkpointing(args, ctx):
                      "full_weights_in_backward": full, "backward_flops": flops,
                      "max_gap": max((a - b).abs().max().item()
                                     for a, b in zip(params, reference)),
-                     "compared_with": "one process" if no_ac is None else "no_ac"})  # fmt: skip
+                     "compared_with": "one process" if no_ac is None else "no_ac"})
         no_ac = no_ac or params
 
     def nbytes(module):
         return sum(p.numel() * p.element_size() for p in module.parameters())
 
     return {"rows": rows, "model_bytes": nbytes(one), "block_bytes": nbytes(one.blocks[0]),
-            "root_bytes": nbytes(one) - sum(nbytes(b) for b in one.blocks)}  # fmt: skip
+            "root_bytes": nbytes(one) - sum(nbytes(b) for b in one.blocks)}
 
 
 def main():
@@ -308,7 +308,7 @@ def main():
         log = get_logger(ctx)
         dev = ctx.device
         x, y = lm_batch(shakespeare_bytes("train"), args.batch_size, args.seq_len,
-                        torch.Generator().manual_seed(args.seed))  # fmt: skip
+                        torch.Generator().manual_seed(args.seed))
         x, y = x.to(dev), y.to(dev)
         rows, reference = [], None
         for policy in ["none"] + [p for p in args.policy if p != "none"]:
@@ -319,15 +319,15 @@ def main():
             ms, equal = row["step_s"] * 1e3, row["grads_equal_none"]
             log.info(f"{policy:>17}: saved {row['measured_bytes']:>9,} B (predicted "
                      f"{row['predicted_bytes']:,}), {row['flops']:,} FLOPs, grads equal to "
-                     f"none: {equal}, step {ms:.1f} ms on {row['threads']} thread(s)")  # fmt: skip
+                     f"none: {equal}, step {ms:.1f} ms on {row['threads']} thread(s)")
             if "cuda_peak_bytes" in row:
                 log.info(f"{'':>17}  CUDA peak {row['cuda_peak_bytes']:,} B within "
                          f"[{row['cuda_low_bytes']:,}, {row['cuda_high_bytes']:,}] B, "
-                         f"{row['cuda_peak_of_high']:.0%} of the high end")  # fmt: skip
+                         f"{row['cuda_peak_of_high']:.0%} of the high end")
         if dev.type != "cuda":
             log.info("skipped: the CUDA allocator's peak per policy needs a GPU")
         result = {"world_size": ctx.world_size, "device": str(dev), "config": config(args),
-                  "batch_size": args.batch_size, "seq_len": args.seq_len}  # fmt: skip
+                  "batch_size": args.batch_size, "seq_len": args.seq_len}
         if ctx.world_size > 1:
             mine = fsdp_mixed_precision(args, ctx)
             everyone = [None] * ctx.world_size
@@ -335,7 +335,7 @@ def main():
             result["fsdp"] = everyone
             m, f = mine["measured"], mine["formula"]
             log.info(f"FSDP2 bf16/fp32 on {ctx.world_size} ranks, rank 0 bytes: measured {m}, "
-                     f"formula {f}")  # fmt: skip
+                     f"formula {f}")
             result["fsdp_ac"] = fsdp_checkpointing(args, ctx)
             for row in result["fsdp_ac"]["rows"]:
                 log.info(f"FSDP2 {row['order']:>14} (reshard_after_forward="
@@ -345,7 +345,7 @@ def main():
                          f"{row['reduce_scatters']}; backward {row['backward_flops']:,} "
                          f"FLOPs, full weights in it at most "
                          f"{row['full_weights_in_backward']:,} B; parameters within "
-                         f"{row['max_gap']:.1e} of {row['compared_with']}")  # fmt: skip
+                         f"{row['max_gap']:.1e} of {row['compared_with']}")
         else:
             log.info(
                 "skipped: FSDP2 (mixed precision, checkpointing) needs 2 or more ranks (torchrun)"

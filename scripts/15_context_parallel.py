@@ -45,7 +45,7 @@ try:  # deprecated by torch; once removed, the notebook skips the all-gather tra
 except ImportError:
     torch_all_gather = None
 METHODS = {"ring": cp.ring_attention, "ulysses": cp.ulysses_attention,
-           "all-gather": cp.allgather_attention}  # fmt: skip
+           "all-gather": cp.allgather_attention}
 # bfloat16 keeps 8 significant bits: rounding x once moves it by at most 2^-8 |x|.
 BF16_ROUNDING = 2.0**-8
 # The TinyGPT of the last part: tiny, so that the whole check costs little.
@@ -62,9 +62,9 @@ def parse_args():
     p.add_argument("--t-local", type=int, default=16, help="tokens per rank (even, for zig-zag)")
     p.add_argument("--head-dim", type=int, default=8, help="features per head")
     p.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32],
-                   help="key chunks of the one-process bfloat16 sweep")  # fmt: skip
+                   help="key chunks of the one-process bfloat16 sweep")
     p.add_argument("--gpt-tokens", type=int, default=32,
-                   help="tokens of the TinyGPT's sequence (a multiple of 2 x ranks)")  # fmt: skip
+                   help="tokens of the TinyGPT's sequence (a multiple of 2 x ranks)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--results", help="write the measurements here as JSON (rank 0)")
     return p.parse_args()
@@ -95,7 +95,7 @@ def max_diffs(ctx, args, fn, dtype, layout="contiguous", docs=None, ref_docs="sa
     """Largest |ours - one process| of the output and of the q, k, v gradients on this rank."""
     ref_docs = docs if ref_docs == "same" else ref_docs
     q, k, v, grad = whole(args, ctx.world_size, dtype, ctx.device, kw.pop("batch", None),
-                          kw.pop("heads", None))  # fmt: skip
+                          kw.pop("heads", None))
     ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
     ref = cp.reference_attention(*ref_in, causal=True, document_ids=ref_docs)
     (ref * grad).sum().backward()
@@ -158,7 +158,7 @@ def counted(ctx, args, fn, layout="contiguous"):
     # A ring passes blocks by send and receive, Ulysses by all-to-all: the bytes that leave.
     moved = ("send", "recv", "all_to_all")
     sent = {phase: sum(c["sent"] for c in sends.calls if c["phase"] == phase and c["op"] in moved)
-            for phase in ("forward", "backward")}  # fmt: skip
+            for phase in ("forward", "backward")}
     return {"bytes": sent["forward"], "backward_bytes": sent["backward"], **log}
 
 
@@ -202,11 +202,11 @@ def torch_context_parallel(ctx, args):
         (out,) = context_parallel_unshard(mesh, [out], [2])
     except Exception as e:  # recorded, not hidden: the notebook shows it
         return {"ran": False, "ranks": n, "default_rotate_method": rotate,
-                "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}  # fmt: skip
+                "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
     finally:  # torch 2.11 leaves it wrapped for DTensors after the block
         torch.nn.functional.scaled_dot_product_attention = sdpa
     return {"ran": True, "ranks": n, "default_rotate_method": rotate,
-            "max_diff": (out - ref).abs().max().item()}  # fmt: skip
+            "max_diff": (out - ref).abs().max().item()}
 
 
 def ring_bf16(ctx, args):
@@ -217,7 +217,7 @@ def ring_bf16(ctx, args):
     bfloat16 rounding of the exact value, 2^-8 |exact| (<= 0: within it).
     """
     q, k, v, grad = (x.to(torch.bfloat16).double()
-                     for x in whole(args, ctx.world_size, torch.float64, ctx.device))  # fmt: skip
+                     for x in whole(args, ctx.world_size, torch.float64, ctx.device))
     ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
     ref = cp.reference_attention(*ref_in, causal=True)
     (ref * grad).sum().backward()
@@ -238,7 +238,7 @@ def ring_bf16(ctx, args):
         )
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # the worst rank
         rows[acc] = {"max_error": dict(zip(names, worst[:4].tolist())),
-                     "beyond_one_rounding": dict(zip(names, worst[4:].tolist()))}  # fmt: skip
+                     "beyond_one_rounding": dict(zip(names, worst[4:].tolist()))}
     return rows
 
 
@@ -247,7 +247,7 @@ def bf16_sweep(args, device):
     gen = torch.Generator().manual_seed(args.seed)
     t = max(args.chunks) * 8
     q, k, v = (torch.randn(1, args.n_heads, t, args.head_dim, generator=gen, dtype=torch.float64)
-               .to(device) for _ in range(3))  # fmt: skip
+               .to(device) for _ in range(3))
     exact = cp.reference_attention(q, k, v, causal=True)
     rows = []
     for n in args.chunks:
@@ -292,7 +292,7 @@ def gpt_run(ctx, args, group, attention=cp.ring_attention, mistake=None):
     model, tokens = gpt_and_tokens(ctx, args)
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     inputs, targets = (cp.shard_sequence(x, rank, size, "zigzag", dim=1)
-                       for x in (tokens[:, :-1], tokens[:, 1:]))  # fmt: skip
+                       for x in (tokens[:, :-1], tokens[:, 1:]))
     saved = SavedTensorCounter()
 
     def counted(q, k, v, **kw):
@@ -363,25 +363,25 @@ def main():
         mistakes = {
             "documents ignored": max_diffs(
                 ctx, args, cp.ring_attention, torch.float64, docs=None, ref_docs=docs
-            ),  # fmt: skip
+            ),
             "documents masked": max_diffs(ctx, args, cp.ring_attention, torch.float64, docs=docs),
             "causal mask per chunk": max_diffs(ctx, args, cp.ring_attention, torch.float64,
                                                ops=every_chunk_starts_the_sequence()),
             "documents numbered per rank": max_diffs(
                 ctx, args, cp.ring_attention, torch.float64, docs=numbered_per_rank(docs, n),
                 ref_docs=docs),
-        }  # fmt: skip
+        }
         for b, h in ((2, 3), (1, 3), (2, 1), (1, 1)):
             if torch_all_gather is not None:
                 mistakes[f"torch all_gather, batch {b}, heads {h}"] = max_diffs(
                     ctx, args, cp.allgather_attention, torch.float64, batch=b, heads=h,
-                    gather=torch_gather)  # fmt: skip
+                    gather=torch_gather)
             mistakes[f"gather_sequence, batch {b}, heads {h}"] = max_diffs(
                 ctx, args, cp.allgather_attention, torch.float64, batch=b, heads=h
             )
         counts = {"ring contiguous": counted(ctx, args, cp.ring_attention),
                   "ring zigzag": counted(ctx, args, cp.ring_attention, "zigzag"),
-                  "ulysses": counted(ctx, args, cp.ulysses_attention)}  # fmt: skip
+                  "ulysses": counted(ctx, args, cp.ulysses_attention)}
         everyone = [None] * n
         dist.all_gather_object(everyone, counts)
         theirs = torch_context_parallel(ctx, args)
@@ -404,14 +404,14 @@ def main():
             "ring_bf16": ring_bf16(ctx, args),
             "bf16_sweep": bf16_sweep(args, ctx.device) if ctx.rank == 0 else None,
             "gpt": gpt_check(ctx, args),
-        }  # fmt: skip
+        }
         worst = max(max(d.values()) for k, d in diffs.items() if "float64" in k)
         verdict = ("skipped on this rank" if theirs is None else "ran" if theirs["ran"]
-                   else f"refused ({theirs['error'].split(':')[0]})")  # fmt: skip
+                   else f"refused ({theirs['error'].split(':')[0]})")
         sent = {k: c["bytes"] for k, c in counts.items()}
         log.info(f"{n} ranks: ring, Ulysses, all-gather within {worst:.1e} of one process "
                  f"(float64); bytes sent by rank 0 in forward {sent}; "
-                 f"torch context_parallel {verdict}")  # fmt: skip
+                 f"torch context_parallel {verdict}")
         write_results(ctx, args.results, result)
 
 

@@ -55,18 +55,18 @@ def parse_args():
         "steps": "training steps in part 2",
     }
     p = script_parser(__doc__, d_model=16, hidden=32, batch_size=8, seq_len=32, steps=60,
-                      lr=1e-2, seed=0, results=None, help=meaning)  # fmt: skip
+                      lr=1e-2, seed=0, results=None, help=meaning)
     p.add_argument("--experts", type=int, default=4, help="E, a multiple of the world size")
     p.add_argument("--k", type=int, default=2, help="experts per token in part 1")
     p.add_argument("--capacity-factor", type=float, default=1.0, help="part 1's capacity factor")
     p.add_argument("--tokens", type=int, default=24, help="tokens per rank in part 1")
     p.add_argument("--ep-ranks", type=int, default=0,
-                   help="ranks per expert-parallel group, EP x DP check (0: all)")  # fmt: skip
+                   help="ranks per expert-parallel group, EP x DP check (0: all)")
     p.add_argument("--ep-dp-steps", type=int, default=3, help="SGD steps of the EP x DP check")
     p.add_argument("--router-skew", type=float, default=0.3,
-                   help="part 2 starts with the router leaning to expert 0")  # fmt: skip
+                   help="part 2 starts with the router leaning to expert 0")
     p.add_argument("--aux-weights", type=float, nargs="*", default=[0.0, 0.1],
-                   help="load-balancing loss weights for part 2 (none: skip it)")  # fmt: skip
+                   help="load-balancing loss weights for part 2 (none: skip it)")
     return p.parse_args()
 
 
@@ -156,7 +156,7 @@ def check(args, ctx):
         y, xg, router, experts, routing, splits = expert_parallel_run(ours, x[mine], w[mine], n)
     ref_experts = [q.grad for e in ours.local for q in ref.experts[e].parameters()]
     diffs = differences(ctx, (y, xg, router, experts), y_ref[mine], xg_ref[mine],
-                        ref.router.weight.grad, ref_experts)  # fmt: skip
+                        ref.router.weight.grad, ref_experts)
 
     theirs = ep.ExpertParallelMoE(ref_copy(args, dev), r, n, exchange=torch_all_to_all).to(dev)
     torch_run = expert_parallel_run(theirs, x[mine], w[mine], n)
@@ -173,12 +173,12 @@ def check(args, ctx):
         "dropped": routing.dropped, "capacity": routing.capacity,
         "measured_bytes_to_others": measured,
         "routing_bytes_to_others": int((dest != r).sum()) * args.d_model * 8,
-    }  # fmt: skip
+    }
     per_rank = [None] * n
     dist.all_gather_object(per_rank, mine_report)
     return {"diffs": diffs, "torch_diffs": torch_diffs, "per_rank": per_rank,
             "reference_routed": [g.routed.tolist() for g in groups],
-            "reference_dropped": [g.dropped for g in groups]}  # fmt: skip
+            "reference_dropped": [g.dropped for g in groups]}
 
 
 EXCHANGES = {  # name: (layer class, capacity factor; None: --capacity-factor)
@@ -216,14 +216,14 @@ def exchange_check(args, ctx, skew=0.5):
             "padded_bytes_to_others":
                 dropless.padded_rows_to_others(routing.capacity, args.experts, n)
                 * args.d_model * 8,
-        }  # fmt: skip
+        }
         per_rank = [None] * n
         dist.all_gather_object(per_rank, report)
         rows[name] = {
             "capacity_factor": factor or args.capacity_factor,
             "diffs": differences(
                 ctx, run, y_ref[mine], xg_ref[mine], ref.router.weight.grad, refs
-            ),  # fmt: skip
+            ),
             "reference_dropped": sum(g.dropped for g in groups),
             "per_rank": per_rank,
         }
@@ -235,7 +235,7 @@ def shared_check(args, ctx):
     n, r, dev = ctx.world_size, ctx.rank, ctx.device
     gen = torch.Generator().manual_seed(5)
     x, w = (torch.randn(n * args.tokens, args.d_model, generator=gen, dtype=torch.float64).to(dev)
-            for _ in range(2))  # fmt: skip
+            for _ in range(2))
     mine = slice(r * args.tokens, (r + 1) * args.tokens)
 
     def shared_expert():
@@ -274,7 +274,7 @@ def shared_check(args, ctx):
         ),
     }
     return {"diffs": {k: max_over_ranks(ctx, v) for k, v in diffs.items()},
-            "shared_gradient_not_summed": max_over_ranks(ctx, own_share)}  # fmt: skip
+            "shared_gradient_not_summed": max_over_ranks(ctx, own_share)}
 
 
 def sgd(params, lr):
@@ -303,7 +303,7 @@ def ep_dp_check(args, ctx, lr=0.1):
     batches = [
         [torch.randn(n * args.tokens, args.d_model, generator=gen, dtype=torch.float64).to(dev)
          for _ in range(2)] for _ in range(args.ep_dp_steps)
-    ]  # fmt: skip
+    ]
     mine = slice(ctx.rank * args.tokens, (ctx.rank + 1) * args.tokens)
 
     ref = ref_copy(args, dev)
@@ -343,9 +343,9 @@ def ep_dp_check(args, ctx, lr=0.1):
     layout = [None] * n
     dist.all_gather_object(layout, {"rank": ctx.rank, "ep_rank": ep_rank,
                                     "dp_rank": mesh.get_local_rank("dp"),
-                                    "experts": list(layer.local)})  # fmt: skip
+                                    "experts": list(layer.local)})
     return {"mesh": [n // size, size], "steps": args.ep_dp_steps, "layout": layout,
-            "diffs": diffs}  # fmt: skip
+            "diffs": diffs}
 
 
 def train(args, ctx, aux_weight, text):
@@ -395,7 +395,7 @@ def train(args, ctx, aux_weight, text):
             "cv_last_10_steps": sum(cv[-10:]) / len(cv[-10:]),
             "max_over_mean": (routed.max() / routed.mean()).item(),
             "cv_per_step": cv, "loss_per_step": losses, "routed_per_step": per_step,
-            "mean_prob_per_step": probs}  # fmt: skip
+            "mean_prob_per_step": probs}
 
 
 def main():
@@ -405,19 +405,19 @@ def main():
         ep.experts_of_rank(args.experts, ctx.world_size, ctx.rank)  # clear error, early
         result = {"world_size": ctx.world_size, "device": str(ctx.device),
                   "d_model": args.d_model, "experts": args.experts, "k": args.k,
-                  "capacity_factor": args.capacity_factor, "tokens": args.tokens}  # fmt: skip
+                  "capacity_factor": args.capacity_factor, "tokens": args.tokens}
         result.update(check(args, ctx))
         result["exchanges"] = exchange_check(args, ctx)
         result["ep_dp"] = ep_dp_check(args, ctx)
         result["shared_expert"] = shared_check(args, ctx)
         log.info(f"{ctx.world_size} ranks: |expert parallel - one process| <= "
                  f"{max(result['diffs'].values()):.1e}, |all_to_all_single_autograd - ours| "
-                 f"<= {max(result['torch_diffs'].values()):.1e}")  # fmt: skip
+                 f"<= {max(result['torch_diffs'].values()):.1e}")
         text = shakespeare_bytes("train").to(ctx.device)
         result["training"] = [train(args, ctx, w, text) for w in args.aux_weights]
         for t in result["training"]:
             log.info(f"aux weight {t['aux_weight']}: tokens per expert {t['routed']}, "
-                     f"CV {t['cv']:.2f}, dropped {t['dropped']}")  # fmt: skip
+                     f"CV {t['cv']:.2f}, dropped {t['dropped']}")
         write_results(ctx, args.results, result)
 
 

@@ -23,12 +23,8 @@ RANKS = min(GPUS, MAX_RANKS)
 needs_gpu = pytest.mark.skipif(
     GPUS == 0, reason="needs a CUDA GPU; none is visible (torch.cuda.device_count() == 0)"
 )
-needs_2_gpus = pytest.mark.skipif(
-    GPUS < 2, reason=f"needs 2 or more CUDA GPUs; {GPUS} visible"
-)  # fmt: skip
-needs_4_gpus = pytest.mark.skipif(
-    GPUS < 4, reason=f"needs 4 or more CUDA GPUs; {GPUS} visible"
-)  # fmt: skip
+needs_2_gpus = pytest.mark.skipif(GPUS < 2, reason=f"needs 2 or more CUDA GPUs; {GPUS} visible")
+needs_4_gpus = pytest.mark.skipif(GPUS < 4, reason=f"needs 4 or more CUDA GPUs; {GPUS} visible")
 
 
 def world_size_1(what: str) -> pytest.MarkDecorator:
@@ -54,6 +50,13 @@ def run(root: pathlib.Path, script: str, args=(), nproc: int = RANKS, **kwargs) 
     Raises:
         ddp_course.harness.launch.LaunchError: a rank failed (its traceback in the message).
     """
-    job = launch.torchrun(root / "scripts" / script, list(args), nproc=nproc, results=True,
-                          echo=False, timeout_s=300, **kwargs)  # fmt: skip
+    job = launch.torchrun(
+        root / "scripts" / script,
+        list(args),
+        nproc=nproc,
+        results=True,
+        echo=False,
+        timeout_s=300,
+        **kwargs,
+    )
     return job.results

@@ -82,8 +82,9 @@ def socket_inodes(pid: int) -> set[int]:
 
 def is_loopback(address: str) -> bool:
     ip = ipaddress.ip_address(address)
-    return ip.is_loopback or (ip.version == 6 and ip.ipv4_mapped is not None
-                              and ip.ipv4_mapped.is_loopback)  # fmt: skip
+    return ip.is_loopback or (
+        ip.version == 6 and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_loopback
+    )
 
 
 class ListenerWatch:

@@ -16,8 +16,9 @@ def run_worker(name: str, args: list[str], nproc: int, timeout_s: float = 240.0)
         AssertionError: the results name another world size than ``nproc``.
         ddp_course.harness.launch.LaunchError: a rank failed (its traceback is in it).
     """
-    job = launch.torchrun(WORKERS / name, args, nproc=nproc, results=True, echo=False,
-                          timeout_s=timeout_s)  # fmt: skip
+    job = launch.torchrun(
+        WORKERS / name, args, nproc=nproc, results=True, echo=False, timeout_s=timeout_s
+    )
     assert job.results["world_size"] == nproc
     return job.results
 

@@ -50,11 +50,13 @@ def ring_work(
         tiles = list(
             ring_attention_schedule(rank, world_size, t_local, layout, causal, document_ids)
         )
-        work.append({
-            "blocks": len(tiles),
-            "pairs": sum(_pairs(t) for t in tiles),
-            "visible": sum(_visible(t) for t in tiles),
-        })  # fmt: skip
+        work.append(
+            {
+                "blocks": len(tiles),
+                "pairs": sum(_pairs(t) for t in tiles),
+                "visible": sum(_visible(t) for t in tiles),
+            }
+        )
     return work
 
 

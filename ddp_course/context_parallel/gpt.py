@@ -78,8 +78,13 @@ class ContextParallelGPT(nn.Module):
         ValueError: a model with dropout (the ring's blocks have none).
     """
 
-    def __init__(self, model: nn.Module, group=None, layout: str = "zigzag",
-                 attention: Callable = ring_attention):  # fmt: skip
+    def __init__(
+        self,
+        model: nn.Module,
+        group=None,
+        layout: str = "zigzag",
+        attention: Callable = ring_attention,
+    ):
         super().__init__()
         if any(b.attn.dropout for b in model.blocks):
             raise ValueError("context-parallel attention here has no dropout: build with 0")

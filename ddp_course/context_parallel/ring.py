@@ -135,8 +135,12 @@ class RingAttention(torch.autograd.Function):
             ahead = ops.ring_pass(list(kv), group) if step < size - 1 else None
             for block in blocks:
                 mask = None if block.mask is None else block.mask.to(q.device)
-                o, s = ops.block(q_acc[:, :, block.q], kv[0][:, :, block.kv].to(acc),
-                                 kv[1][:, :, block.kv].to(acc), mask)  # fmt: skip
+                o, s = ops.block(
+                    q_acc[:, :, block.q],
+                    kv[0][:, :, block.kv].to(acc),
+                    kv[1][:, :, block.kv].to(acc),
+                    mask,
+                )
                 out[:, :, block.q], lse[:, :, block.q] = ops.merge(
                     out[:, :, block.q], lse[:, :, block.q], o, s
                 )
@@ -168,9 +172,14 @@ class RingAttention(torch.autograd.Function):
                 mask = None if block.mask is None else block.mask.to(q.device)
                 i, j = block.q, block.kv
                 dqi, dkj, dvj = ops.block_backward(
-                    q_acc[:, :, i], kv[0][:, :, j].to(acc), kv[1][:, :, j].to(acc), mask,
-                    lse[:, :, i], grad_out[:, :, i], delta[:, :, i],
-                )  # fmt: skip
+                    q_acc[:, :, i],
+                    kv[0][:, :, j].to(acc),
+                    kv[1][:, :, j].to(acc),
+                    mask,
+                    lse[:, :, i],
+                    grad_out[:, :, i],
+                    delta[:, :, i],
+                )
                 dq[:, :, i] += dqi
                 dk[:, :, j] += dkj
                 dv[:, :, j] += dvj

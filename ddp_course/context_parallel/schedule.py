@@ -76,7 +76,12 @@ def ring_attention_schedule(
                 kv_pos = torch.arange(kv_start, kv_start + kv_len)
                 mask = attention_mask(q_pos, kv_pos, causal, document_ids)
                 if mask is None or bool(mask.any()):
-                    yield Tile(step, source, slice(q_off, q_off + q_len),
-                                slice(kv_off, kv_off + kv_len), mask)  # fmt: skip
+                    yield Tile(
+                        step,
+                        source,
+                        slice(q_off, q_off + q_len),
+                        slice(kv_off, kv_off + kv_len),
+                        mask,
+                    )
                 kv_off += kv_len
             q_off += q_len

@@ -26,9 +26,17 @@ import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["COMMAND_LINE_BYTES", "ENVIRONMENT_ROOM", "Messages", "command_lines_settable",
-           "environment_bytes", "send", "serve", "set_command_line",
-           "set_environment"]  # fmt: skip
+__all__ = [
+    "COMMAND_LINE_BYTES",
+    "ENVIRONMENT_ROOM",
+    "Messages",
+    "command_lines_settable",
+    "environment_bytes",
+    "send",
+    "serve",
+    "set_command_line",
+    "set_environment",
+]
 
 # What every agent imports before its first rank (its ranks add .forked_ranks.PRELOADED).
 _AGENT_MODULES = (
@@ -211,8 +219,13 @@ def _wait_for_agent(status: socket.socket, request: Mapping[str, Any], fds: Sequ
             os.close(fd)
         send(status, {"pid": pid})
         _, wait_status, usage = os.wait4(pid, 0)
-        send(status, {"returncode": os.waitstatus_to_exitcode(wait_status),
-                       "cpu_s": usage.ru_utime + usage.ru_stime})  # fmt: skip
+        send(
+            status,
+            {
+                "returncode": os.waitstatus_to_exitcode(wait_status),
+                "cpu_s": usage.ru_utime + usage.ru_stime,
+            },
+        )
     except OSError:
         pass  # the launcher is gone: nobody to report to
     finally:

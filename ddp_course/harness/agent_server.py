@@ -173,12 +173,13 @@ class AgentServer:
         name, size = agent_fork.ENVIRONMENT_ROOM  # see agent_fork.set_environment
         self._environment_bytes = agent_fork.environment_bytes(self.env) + len(name) + size + 2
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "ddp_course.harness.agent_fork", str(theirs.fileno()),
-             room],
-            pass_fds=[theirs.fileno()], env={**self.env, name: "-" * size},
+            [sys.executable, "-m", "ddp_course.harness.agent_fork", str(theirs.fileno()), room],
+            pass_fds=[theirs.fileno()],
+            env={**self.env, name: "-" * size},
             stdin=subprocess.DEVNULL,
-            start_new_session=True, preexec_fn=no_core_files,
-        )  # fmt: skip
+            start_new_session=True,
+            preexec_fn=no_core_files,
+        )
         theirs.close()
         self._control = ours
         ready = agent_fork.Messages(ours)
@@ -217,8 +218,7 @@ class AgentServer:
             raise ValueError("the agent's environment is larger than the server's room")
         status, theirs = socket.socketpair()
         read_end, write_end = os.pipe()
-        request = {"command": command, "args": command[3:], "env": dict(env),
-                   "cwd": os.getcwd()}  # fmt: skip
+        request = {"command": command, "args": command[3:], "env": dict(env), "cwd": os.getcwd()}
         try:
             with open(os.devnull, "rb") as devnull, self._lock:
                 fds = [devnull.fileno(), write_end, write_end, theirs.fileno()]

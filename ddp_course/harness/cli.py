@@ -71,8 +71,10 @@ def check() -> int:
     print(f"device       {device} -> backend {pick_backend(device)}")
     split = load_mnist("data", train=False)
     full = "in data/MNIST/raw" if has_full_mnist("data") else "not downloaded"
-    print(f"MNIST        {split.source} by default ({len(split.dataset)} test digits); "
-          f"full MNIST {full} (source='full' fetches it)")  # fmt: skip
+    print(
+        f"MNIST        {split.source} by default ({len(split.dataset)} test digits); "
+        f"full MNIST {full} (source='full' fetches it)"
+    )
     return 0
 
 
@@ -88,11 +90,14 @@ def run_notebook(path: pathlib.Path, out: pathlib.Path, timeout_s: int) -> None:
 
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(
-        nb, timeout=timeout_s, kernel_name=KERNELSPEC["name"], config=_kernel_config(),
+        nb,
+        timeout=timeout_s,
+        kernel_name=KERNELSPEC["name"],
+        config=_kernel_config(),
         # A busy 2-core machine can take over a minute to start a kernel.
         startup_timeout=300,
         resources={"metadata": {"path": str(path.parent)}},
-    )  # fmt: skip
+    )
     try:
         client.execute()  # also stores language_info as the kernel reports it
     finally:
@@ -171,10 +176,12 @@ def lab_command(
             ``overrides.json`` sets defaults (see ``lab_settings``).
     """
     command = [
-        sys.executable, "-m", "jupyterlab",
+        sys.executable,
+        "-m",
+        "jupyterlab",
         f"--ServerApp.root_dir={root}",
         "--LabApp.default_url=/lab/tree/notebooks/00_course_setup.ipynb",
-    ]  # fmt: skip
+    ]
     if shell is not None:
         command.append(f"--ServerApp.terminado_settings=shell_command={shlex.join(shell)}")
     if settings is not None:
@@ -297,8 +304,12 @@ def add_gpu_check_arguments(gpu: argparse.ArgumentParser) -> None:
         help="print the plan, order and estimated time for 1, 2 and 4 GPUs and "
         "run nothing (no GPU needed)",
     )
-    gpu.add_argument("--gpus", type=_positive, default=None,
-                     help="with --dry-run: the plan for this GPU count only")  # fmt: skip
+    gpu.add_argument(
+        "--gpus",
+        type=_positive,
+        default=None,
+        help="with --dry-run: the plan for this GPU count only",
+    )
 
 
 def run_gpu_check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -318,8 +329,9 @@ def run_gpu_check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     shown += ["--no-notebooks"] if args.no_notebooks else []
     shown += ["--all"] if args.run_all else []
     out = None if args.out is None else args.out.resolve()
-    return gpu_check.gpu_check(args.budget_s, out, not args.no_notebooks,
-                               command=shlex.join(shown), run_all=args.run_all)  # fmt: skip
+    return gpu_check.gpu_check(
+        args.budget_s, out, not args.no_notebooks, command=shlex.join(shown), run_all=args.run_all
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -341,12 +353,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ex.add_argument("notebooks", nargs="+", type=pathlib.Path)
     ex.add_argument("--timeout", type=int, default=900, help="seconds per cell")
     sub.add_parser(
-        "lab", help="JupyterLab on the repository (further options go to JupyterLab)",
-    )  # fmt: skip
-    add_gpu_check_arguments(sub.add_parser(
-        "gpu-check", help="the GPU tests, then the notebooks with a CUDA path, on this "
-                          "machine's GPUs (--dry-run: the plan, no GPU needed)",
-    ))  # fmt: skip
+        "lab",
+        help="JupyterLab on the repository (further options go to JupyterLab)",
+    )
+    add_gpu_check_arguments(
+        sub.add_parser(
+            "gpu-check",
+            help="the GPU tests, then the notebooks with a CUDA path, on this "
+            "machine's GPUs (--dry-run: the plan, no GPU needed)",
+        )
+    )
     args, extra = parser.parse_known_args(argv)
     if args.command == "lab":
         return lab(extra)

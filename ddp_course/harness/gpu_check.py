@@ -99,8 +99,9 @@ def machine_info() -> dict:
         "import json; from ddp_course.harness.gpu_check import probe_machine as p; "
         "print(json.dumps(p()))"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=300, check=True)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
     return json.loads(done.stdout.splitlines()[-1])
 
 
@@ -113,8 +114,13 @@ def probe_machine() -> dict:
     gpus = []
     for i in range(runtime.gpu_count()):
         p = torch.cuda.get_device_properties(i)
-        gpus.append({"name": p.name, "memory_GiB": round(p.total_memory / 2**30, 1),
-                     "capability": f"{p.major}.{p.minor}"})  # fmt: skip
+        gpus.append(
+            {
+                "name": p.name,
+                "memory_GiB": round(p.total_memory / 2**30, 1),
+                "capability": f"{p.major}.{p.minor}",
+            }
+        )
     try:
         nccl = ".".join(map(str, torch.cuda.nccl.version()))
     except Exception:  # a build without nccl, or one whose version call fails
@@ -162,13 +168,16 @@ def run_pytest(args: Sequence[str], env: Mapping[str, str], timeout_s: float) ->
     """``python -m pytest *args`` in the repository root, its output on this terminal;
     killed with everything it started after ``timeout_s`` seconds (returns
     :data:`~ddp_course.harness.gpu_summary.KILLED`)."""
-    proc = subprocess.Popen([sys.executable, "-m", "pytest", *args], cwd=ROOT, env=dict(env),
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", *args], cwd=ROOT, env=dict(env), start_new_session=True
+    )
     try:
         return proc.wait(timeout=max(timeout_s, 0.0))
     except subprocess.TimeoutExpired:
-        print(f"gpu-check: the pass ran past the time limit; stopping it ({timeout_s:.0f} s)",
-              flush=True)  # fmt: skip
+        print(
+            f"gpu-check: the pass ran past the time limit; stopping it ({timeout_s:.0f} s)",
+            flush=True,
+        )
         _kill_tree(proc)
         return KILLED
     finally:
@@ -177,8 +186,14 @@ def run_pytest(args: Sequence[str], env: Mapping[str, str], timeout_s: float) ->
 
 
 def _row(part: str, check: str, outcome: str, detail: str) -> dict:
-    return {"part": part, "check": check, "outcome": outcome, "seconds": 0.0, "skips": 0,
-            "detail": detail}  # fmt: skip
+    return {
+        "part": part,
+        "check": check,
+        "outcome": outcome,
+        "seconds": 0.0,
+        "skips": 0,
+        "detail": detail,
+    }
 
 
 def run_plan(
@@ -218,13 +233,22 @@ def run_plan(
             continue
         args = pass_args(step.check)
         shown = shlex.join(["python", "-m", "pytest", *args])
-        print(f"\ngpu-check: part {step.part}: {shown} (estimate ~{step.estimate_s:.0f} s)",
-              flush=True)  # fmt: skip
+        print(
+            f"\ngpu-check: part {step.part}: {shown} (estimate ~{step.estimate_s:.0f} s)",
+            flush=True,
+        )
         before = len(read_records(reports))
         t0 = time.time()
         code = runner([*plugin_args(reports, deadline), *args], env, hard - time.time())
-        passes.append({"part": step.part, "what": step.check, "command": shown,
-                       "returncode": code, "seconds": round(time.time() - t0, 1)})  # fmt: skip
+        passes.append(
+            {
+                "part": step.part,
+                "what": step.check,
+                "command": shown,
+                "returncode": code,
+                "seconds": round(time.time() - t0, 1),
+            }
+        )
         found = collect_checks(read_records(reports)[before:])
         rows += [{"part": step.part, **c} for c in found]
         if not found:
@@ -234,15 +258,18 @@ def run_plan(
     return passes, rows
 
 
-def dry_run(counts: Sequence[int] = PLAN_GPU_COUNTS, budget_s: float | None = None,
-            run_all: bool = False) -> int:  # fmt: skip
+def dry_run(
+    counts: Sequence[int] = PLAN_GPU_COUNTS, budget_s: float | None = None, run_all: bool = False
+) -> int:
     """Print the plan for each GPU count in ``counts`` and run nothing; returns 0. Needs no
     GPU (the plans come from the notebooks' and tests' source)."""
     for i, n in enumerate(counts):
         print(("\n" if i else "") + format_plan(make_plan(n, budget_s, run_all=run_all)))
-    print("\ndry run: nothing was run. Exit status of a real run: 0 every check of A and B "
-          "ran and passed; 1 a real failure; 2 no GPU; 3 a check of A or B not started or "
-          "not finished (part C never changes it).")  # fmt: skip
+    print(
+        "\ndry run: nothing was run. Exit status of a real run: 0 every check of A and B "
+        "ran and passed; 1 a real failure; 2 no GPU; 3 a check of A or B not started or "
+        "not finished (part C never changes it)."
+    )
     return EXIT_OK
 
 
@@ -279,12 +306,17 @@ def gpu_check(
     plan = make_plan(gpus, budget_s, run_all=run_all)
     start = time.time()
     machine = machine_info()
-    folder = out if out is not None else ROOT / "benchmarks" / folder_name(
-        [g["name"] for g in machine["gpus"]]
-    )  # fmt: skip
+    folder = (
+        out
+        if out is not None
+        else ROOT / "benchmarks" / folder_name([g["name"] for g in machine["gpus"]])
+    )
     names = ", ".join(g["name"] for g in machine["gpus"])
-    print(f"gpu-check: {gpus} GPU(s) ({names}); torch {machine['torch']}, CUDA "
-          f"{machine['cuda']}; summary in {_shown(folder)}", flush=True)  # fmt: skip
+    print(
+        f"gpu-check: {gpus} GPU(s) ({names}); torch {machine['torch']}, CUDA "
+        f"{machine['cuda']}; summary in {_shown(folder)}",
+        flush=True,
+    )
     print(format_plan(plan), flush=True)
     with tempfile.TemporaryDirectory(prefix="ddp_course_gpu_check_") as tmp:
         reports, results = pathlib.Path(tmp, "reports.jsonl"), pathlib.Path(tmp, "results")
@@ -295,22 +327,36 @@ def gpu_check(
         passes, checks = run_plan(plan, runner, env, reports, start, notebooks)
         kept = keep_results(results, folder)
     wall_s = time.time() - start
-    path = write_summary(folder, command=command, budget_s=plan.budget_s, wall_s=wall_s,
-                         machine=machine, passes=passes, checks=checks, results=kept,
-                         plan=plan)  # fmt: skip
+    path = write_summary(
+        folder,
+        command=command,
+        budget_s=plan.budget_s,
+        wall_s=wall_s,
+        machine=machine,
+        passes=passes,
+        checks=checks,
+        results=kept,
+        plan=plan,
+    )
     print("\n" + format_table(checks, wall_s))
     print(f"summary: {_shown(path)}" + (f" with {len(kept)} result file(s)" if kept else ""))
     for p in broken_passes(passes):
-        print(f"the pass '{p['what']}' ended with pytest's exit code {p['returncode']}: "
-              "see its output above")  # fmt: skip
+        print(
+            f"the pass '{p['what']}' ended with pytest's exit code {p['returncode']}: "
+            "see its output above"
+        )
     ws1 = world_size_1_report(gpus, checks)
     if ws1 is not None:
-        print("world size 1: one GPU could not exercise these multi-rank nccl paths: "
-              + "; ".join(ws1["paths"]))  # fmt: skip
+        print(
+            "world size 1: one GPU could not exercise these multi-rank nccl paths: "
+            + "; ".join(ws1["paths"])
+        )
     status = exit_status(checks, passes)
     if status == EXIT_NOT_FINISHED:
-        print(f"exit 3: a check of A or B was not started or not finished within the budget "
-              f"of {plan.budget_s:.0f} s (--budget-s gives more; see the plan above)")  # fmt: skip
+        print(
+            f"exit 3: a check of A or B was not started or not finished within the budget "
+            f"of {plan.budget_s:.0f} s (--budget-s gives more; see the plan above)"
+        )
     return status
 
 

@@ -32,8 +32,12 @@ SKIP_LINE = re.compile(r"^\s*(?:skipped|SKIPPED)\b.*$", re.MULTILINE)
 def plugin_args(reports: pathlib.Path, deadline: float) -> list[str]:
     """pytest options that load this module as a plugin, writing to ``reports`` and
     starting no check after ``deadline`` (``time.time()``)."""
-    return ["-p", "ddp_course.harness.gpu_reports", f"--gpu-check-reports={reports}",
-            f"--gpu-check-deadline={deadline:.3f}"]  # fmt: skip
+    return [
+        "-p",
+        "ddp_course.harness.gpu_reports",
+        f"--gpu-check-reports={reports}",
+        f"--gpu-check-deadline={deadline:.3f}",
+    ]
 
 
 # ---------------------------------------------------------------- pytest plugin
@@ -43,8 +47,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     """pytest hook: the plugin's options (where to append reports, the deadline)."""
     group = parser.getgroup("gpu-check", "python -m ddp_course gpu-check")
     group.addoption("--gpu-check-reports", help="append every test report here (JSON lines)")
-    group.addoption("--gpu-check-deadline", type=float,
-                    help="time.time() after which no new check starts")  # fmt: skip
+    group.addoption(
+        "--gpu-check-deadline", type=float, help="time.time() after which no new check starts"
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -107,8 +112,15 @@ class ReportPlugin:
 
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:
         if report.failed:  # a notebook or test file that cannot even be collected
-            self._write({"nodeid": report.nodeid, "when": "collect", "outcome": "failed",
-                         "seconds": 0.0, "detail": _last_line(report.longreprtext)})  # fmt: skip
+            self._write(
+                {
+                    "nodeid": report.nodeid,
+                    "when": "collect",
+                    "outcome": "failed",
+                    "seconds": 0.0,
+                    "detail": _last_line(report.longreprtext),
+                }
+            )
 
     def _write(self, record: dict) -> None:
         if self.reports is None:
@@ -132,8 +144,14 @@ def report_record(report: pytest.TestReport) -> dict:
         text = crash.message if crash is not None else ""
         detail = text.splitlines()[0][:300] if text.strip() else _last_line(report.longreprtext)
     lines = dict(report.user_properties).get("skip_lines", [])
-    return {"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome,
-            "seconds": report.duration, "detail": detail, "skip_lines": list(lines)}  # fmt: skip
+    return {
+        "nodeid": report.nodeid,
+        "when": report.when,
+        "outcome": report.outcome,
+        "seconds": report.duration,
+        "detail": detail,
+        "skip_lines": list(lines),
+    }
 
 
 def _last_line(text: str) -> str:
@@ -178,8 +196,9 @@ def collect_checks(records: Iterable[Mapping]) -> list[dict]:
     checks: dict[str, dict] = {}
     for nodeid, phases in tests.items():
         outcome, detail = _test_outcome(phases)
-        row = checks.setdefault(check_name(nodeid), {"outcome": None, "seconds": 0.0,
-                                                     "lines": [], "detail": ""})  # fmt: skip
+        row = checks.setdefault(
+            check_name(nodeid), {"outcome": None, "seconds": 0.0, "lines": [], "detail": ""}
+        )
         row["seconds"] += sum(p["seconds"] for p in phases)
         row["lines"] += [line for p in phases for line in p.get("skip_lines", [])]
         if row["outcome"] is None or OUTCOMES.index(outcome) < OUTCOMES.index(row["outcome"]):
@@ -193,8 +212,9 @@ def collect_checks(records: Iterable[Mapping]) -> list[dict]:
                 "skipped",
                 f"ran; {len(lines)} {parts} skipped: {lines[0]}",
             )
-        rows.append({"check": name, **row, "seconds": round(row["seconds"], 3),
-                     "skips": len(lines)})  # fmt: skip
+        rows.append(
+            {"check": name, **row, "seconds": round(row["seconds"], 3), "skips": len(lines)}
+        )
     return rows
 
 

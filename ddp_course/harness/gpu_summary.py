@@ -86,8 +86,7 @@ def broken_passes(passes: Sequence[Mapping]) -> list[Mapping]:
     """Passes that ended otherwise than pytest does after running its tests (interrupted,
     an internal or usage error), not counting those stopped at the time limit
     (:data:`KILLED`) or never started (``None``)."""
-    return [p for p in passes
-            if p["returncode"] not in (None, KILLED, *_PYTEST_OK_CODES)]  # fmt: skip
+    return [p for p in passes if p["returncode"] not in (None, KILLED, *_PYTEST_OK_CODES)]
 
 
 def exit_status(checks: Sequence[Mapping], passes: Sequence[Mapping] = ()) -> int:
@@ -112,8 +111,10 @@ def format_table(checks: Sequence[Mapping], wall_s: float | None = None) -> str:
     lines = [f"part  {'check':<{width}}  {'outcome':<12}  {'seconds':>7}  detail"]
     for c in checks:
         shown = c["outcome"].upper() if c["outcome"] in OUTCOMES[:3] else c["outcome"]
-        lines.append(f"{c.get('part', 'A'):<4}  {c['check']:<{width}}  {shown:<12}  "
-                     f"{c['seconds']:7.1f}  {c['detail'][:120]}".rstrip())  # fmt: skip
+        lines.append(
+            f"{c.get('part', 'A'):<4}  {c['check']:<{width}}  {shown:<12}  "
+            f"{c['seconds']:7.1f}  {c['detail'][:120]}".rstrip()
+        )
     for part in PARTS:
         count = totals([c for c in checks if c.get("part", "A") == part])
         if any(count.values()):
@@ -131,8 +132,11 @@ def world_size_1_report(gpus: int, checks: Sequence[Mapping]) -> dict | None:
     :data:`~ddp_course.harness.gpu_plan.WORLD_SIZE_1`); None with 2 or more GPUs."""
     if gpus != 1:
         return None
-    tests = [c["check"] for c in checks
-             if c["outcome"] == "skipped" and c["detail"].startswith(WORLD_SIZE_1)]  # fmt: skip
+    tests = [
+        c["check"]
+        for c in checks
+        if c["outcome"] == "skipped" and c["detail"].startswith(WORLD_SIZE_1)
+    ]
     return {"paths": list(WORLD_SIZE_1_PATHS), "tests": tests}
 
 

@@ -150,8 +150,10 @@ def _run_job(
             "rank(s); every process of the job was killed. A hang usually means "
             "the ranks called different collectives or different numbers of them."
             + where_stuck(logs, script),
-            None, -signal.SIGKILL, logs,
-        ) from None  # fmt: skip
+            None,
+            -signal.SIGKILL,
+            logs,
+        ) from None
     finally:
         if proc.poll() is None:
             kill_job(proc)
@@ -166,13 +168,17 @@ def _run_job(
         raise LaunchError(
             f"{script.name} failed on {where} (exit code {returncode}).\n"
             f"--- end of {where}'s output ---\n{detail}",
-            rank, returncode, logs, output,
-        )  # fmt: skip
+            rank,
+            returncode,
+            logs,
+            output,
+        )
     data = None
     if results_path is not None:
         if not results_path.exists():
-            raise LaunchError(f"{script.name} exited cleanly but wrote no --results file",
-                              None, 0, logs)  # fmt: skip
+            raise LaunchError(
+                f"{script.name} exited cleanly but wrote no --results file", None, 0, logs
+            )
         data = json.loads(results_path.read_text())
     print(f"{script.name} finished in {wall_s:.1f} s", flush=True)
     return LaunchResult(returncode, output, logs, data, wall_s, getattr(proc, "cpu_s", None))
@@ -267,7 +273,11 @@ def torchrun(
         agent_tmp = pathlib.Path(tmp, "agent")
         agent_tmp.mkdir()
         cmd = [
-            sys.executable, "-m", "ddp_course.harness.loopback", "--tmpdir", str(agent_tmp),
+            sys.executable,
+            "-m",
+            "ddp_course.harness.loopback",
+            "--tmpdir",
+            str(agent_tmp),
             *(["--fork-ranks"] if fork_ranks else []),
             f"--nproc_per_node={nproc}",
             "--rdzv-backend=c10d",
@@ -281,18 +291,31 @@ def torchrun(
             *extra_torchrun_args,
             str(path.resolve()),
             *args,
-        ]  # fmt: skip
+        ]
         if results_path is not None:
             cmd += ["--results", str(results_path)]
         shown = shlex.join(
-            ["torchrun", f"--nproc_per_node={nproc}", *extra_torchrun_args, shown_path(script),
-             *args]
-        )  # fmt: skip
+            [
+                "torchrun",
+                f"--nproc_per_node={nproc}",
+                *extra_torchrun_args,
+                shown_path(script),
+                *args,
+            ]
+        )
         served = fork_ranks and agent_server.enabled(env)
         return _run_job(
-            cmd, path, nproc, timeout_s, env, echo, logs_path, results_path, prefix + shown,
+            cmd,
+            path,
+            nproc,
+            timeout_s,
+            env,
+            echo,
+            logs_path,
+            results_path,
+            prefix + shown,
             served,
-        )  # fmt: skip
+        )
 
 
 def _start(cmd: list[str], env: Mapping[str, str], echo: bool, served: bool) -> tuple:
@@ -323,8 +346,10 @@ def _fork_ranks(asked: bool | None, env: Mapping[str, str], single_node: bool) -
             f"not {DEVICE_ENV}={device!r} on {'one node' if single_node else 'several nodes'}"
         )
     if asked and not forked_ranks.possible():
-        raise ValueError("fork_ranks=True needs a machine where torch sees no GPU: a rank "
-                         "forked after CUDA was initialised cannot use it")  # fmt: skip
+        raise ValueError(
+            "fork_ranks=True needs a machine where torch sees no GPU: a rank "
+            "forked after CUDA was initialised cannot use it"
+        )
     if asked is None:
         return possible and forked_ranks.enabled(env)
     return asked

@@ -205,8 +205,12 @@ def _launch(
         totals = reader.node_ranks(nodes)
         if not totals:
             raise ValueError(f"{where}: cannot read the nodes' ranks of {ast.unparse(nodes)}")
-        return Launch(kind="torchrun_nodes", nproc=tuple(sorted(totals)),
-                      device=multinode.SIMULATED_NODES_DEVICE, **base)  # fmt: skip
+        return Launch(
+            kind="torchrun_nodes",
+            nproc=tuple(sorted(totals)),
+            device=multinode.SIMULATED_NODES_DEVICE,
+            **base,
+        )
     if name == "python" and func.endswith("launch.python"):
         ref = _keyword(call, "reference_for")
         values = {1} if ref is None else reader.ints(ref)
@@ -253,8 +257,11 @@ def notebook_launches(path: pathlib.Path) -> list[Launch]:
 
 def scan(folder: pathlib.Path) -> list[Launch]:
     """:func:`notebook_launches` of every ``NN_*.ipynb`` in ``folder``, in file order."""
-    return [launch for path in sorted(folder.glob("[0-9][0-9]_*.ipynb"))
-            for launch in notebook_launches(path)]  # fmt: skip
+    return [
+        launch
+        for path in sorted(folder.glob("[0-9][0-9]_*.ipynb"))
+        for launch in notebook_launches(path)
+    ]
 
 
 def cuda_notebooks(launches: Sequence[Launch], gpus: int) -> list[str]:
@@ -266,7 +273,12 @@ def cuda_notebooks(launches: Sequence[Launch], gpus: int) -> list[str]:
 def nccl_notebooks(launches: Sequence[Launch], gpus: int) -> list[str]:
     """The notebooks that start a job of 2 or more ranks on ``cuda`` (an nccl group that
     talks between GPUs) on a machine with ``gpus`` GPUs; sorted by name."""
-    return sorted({
-        x.notebook for x in launches if x.kind != "torch.cuda" and not x.fails_on_purpose(gpus)
-        for n in x.ranks(gpus) if n >= 2 and x.device_type(n, gpus) == "cuda"
-    })  # fmt: skip
+    return sorted(
+        {
+            x.notebook
+            for x in launches
+            if x.kind != "torch.cuda" and not x.fails_on_purpose(gpus)
+            for n in x.ranks(gpus)
+            if n >= 2 and x.device_type(n, gpus) == "cuda"
+        }
+    )

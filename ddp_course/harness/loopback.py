@@ -16,8 +16,15 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-_TCPSTORE_ARGS = ("world_size", "is_master", "timeout", "wait_for_workers", "multi_tenant",
-                  "master_listen_fd", "use_libuv")  # fmt: skip
+_TCPSTORE_ARGS = (
+    "world_size",
+    "is_master",
+    "timeout",
+    "wait_for_workers",
+    "multi_tenant",
+    "master_listen_fd",
+    "use_libuv",
+)
 
 
 def _loopback_family(host: str) -> int | None:
@@ -81,8 +88,9 @@ def serve_on_loopback(host: str, port: int) -> Any | None:
 
     if _loopback_family(host) is None:
         return None
-    return _loopback_tcpstore(dist.TCPStore)(host, port, is_master=True,
-                                             wait_for_workers=False, multi_tenant=True)  # fmt: skip
+    return _loopback_tcpstore(dist.TCPStore)(
+        host, port, is_master=True, wait_for_workers=False, multi_tenant=True
+    )
 
 
 def main(argv: Sequence[str]) -> None:

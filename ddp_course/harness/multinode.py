@@ -131,13 +131,27 @@ def _agent_cmd(
     fork_ranks: bool,
 ) -> list[str]:
     cmd = [
-        sys.executable, "-m", "ddp_course.harness.loopback", "--tmpdir", str(agent_tmp),
+        sys.executable,
+        "-m",
+        "ddp_course.harness.loopback",
+        "--tmpdir",
+        str(agent_tmp),
         *(["--fork-ranks"] if fork_ranks else []),
-        f"--nnodes={nnodes}", f"--node-rank={node.node_rank}", f"--nproc-per-node={node.nproc}",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
-        f"--local-addr={node.addr}", f"--log-dir={log_dir}", "--tee=3",
-        "--local-ranks-filter=0", *extra, *node.torchrun_args, str(script.resolve()), *args,
-    ]  # fmt: skip
+        f"--nnodes={nnodes}",
+        f"--node-rank={node.node_rank}",
+        f"--nproc-per-node={node.nproc}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={run_id}",
+        f"--local-addr={node.addr}",
+        f"--log-dir={log_dir}",
+        "--tee=3",
+        "--local-ranks-filter=0",
+        *extra,
+        *node.torchrun_args,
+        str(script.resolve()),
+        *args,
+    ]
     if node.netns is not None:
         cmd = ["ip", "netns", "exec", node.netns, *cmd]
     return cmd
@@ -161,14 +175,24 @@ def _shown_command(
     """The command a learner would type on that node: its environment variables, then
     torchrun with every flag the agent gets (``--rdzv-id`` and ``--local-addr`` too)."""
     assignments = [f"{k}={v}" for k, v in env.items()]
-    prefix = (["ip", "netns", "exec", node.netns, "env", *assignments] if node.netns
-              else assignments)  # fmt: skip
-    return shlex.join([
-        *prefix, "torchrun", f"--nnodes={nnodes}", f"--node-rank={node.node_rank}",
-        f"--nproc-per-node={node.nproc}", "--rdzv-backend=c10d",
-        f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}", f"--local-addr={node.addr}",
-        *extra, *node.torchrun_args, jobs.shown_path(script), *args,
-    ])  # fmt: skip
+    prefix = ["ip", "netns", "exec", node.netns, "env", *assignments] if node.netns else assignments
+    return shlex.join(
+        [
+            *prefix,
+            "torchrun",
+            f"--nnodes={nnodes}",
+            f"--node-rank={node.node_rank}",
+            f"--nproc-per-node={node.nproc}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={endpoint}",
+            f"--rdzv-id={run_id}",
+            f"--local-addr={node.addr}",
+            *extra,
+            *node.torchrun_args,
+            jobs.shown_path(script),
+            *args,
+        ]
+    )
 
 
 def torchrun_nodes(
@@ -270,8 +294,11 @@ def torchrun_nodes(
     # Set even when this process's environment says cuda: it would reach every worker.
     env[DEVICE_ENV] = SIMULATED_NODES_DEVICE
     if echo:
-        print(f"{len(nodes)} simulated nodes: running on CPU with gloo because "
-              f"{SIMULATED_NODES_REASON}", flush=True)  # fmt: skip
+        print(
+            f"{len(nodes)} simulated nodes: running on CPU with gloo because "
+            f"{SIMULATED_NODES_REASON}",
+            flush=True,
+        )
     env.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", multinode_logs.LINE_PREFIX_TEMPLATE)
     # A fresh store for the workers at every rendezvous round, instead of the
     # agents' shared one. With the shared store, keys of a dead round stay
@@ -291,9 +318,20 @@ def torchrun_nodes(
             agent_tmp = pathlib.Path(tmp, f"agent{i}")
             agent_tmp.mkdir()
             job_args = [*args, *(["--results", str(results_path)] if results_path else [])]
-            cmds.append(_agent_cmd(node, nnodes, endpoint, run_id, agent_tmp,
-                                   logs_root / f"node{i}", extra_torchrun_args, path,
-                                   job_args, forked_ranks.enabled(env)))  # fmt: skip
+            cmds.append(
+                _agent_cmd(
+                    node,
+                    nnodes,
+                    endpoint,
+                    run_id,
+                    agent_tmp,
+                    logs_root / f"node{i}",
+                    extra_torchrun_args,
+                    path,
+                    job_args,
+                    forked_ranks.enabled(env),
+                )
+            )
             conf = dict(rdzv_conf or {})
             if node.netns and endpoint.rpartition(":")[0] == node.addr:
                 conf.setdefault("is_host", "true")
@@ -307,11 +345,30 @@ def torchrun_nodes(
                 node_env.setdefault("NCCL_SOCKET_IFNAME", node.ifname)
             envs.append(node_env)
             shown_env = {k: node_env[k] for k in [*given_env, *_SHOWN_ENV] if k in node_env}
-            shown = _shown_command(node, nnodes, endpoint, run_id, shown_env,
-                                   [*conf_args, *extra_torchrun_args], script, args)  # fmt: skip
+            shown = _shown_command(
+                node,
+                nnodes,
+                endpoint,
+                run_id,
+                shown_env,
+                [*conf_args, *extra_torchrun_args],
+                script,
+                args,
+            )
             print(f"[node {i}] $ {shown}", flush=True)
-        return _run_nodes(nodes, cmds, envs, path, endpoint, timeout_s, echo, grace_s,
-                          logs_root, results_path, silent_s)  # fmt: skip
+        return _run_nodes(
+            nodes,
+            cmds,
+            envs,
+            path,
+            endpoint,
+            timeout_s,
+            echo,
+            grace_s,
+            logs_root,
+            results_path,
+            silent_s,
+        )
 
 
 def _run_nodes(
@@ -388,13 +445,18 @@ def _run_nodes(
             failures.where_stuck(logs, script).replace("\n  rank", f"\n  node {i} local rank")
             for i, logs in sorted(node_logs.items())
         )
-        why = (f"printed nothing for {silent_s:g} s (silent_s)" if went_silent
-               else f"ran past its {timeout_s:g} s timeout")  # fmt: skip
+        why = (
+            f"printed nothing for {silent_s:g} s (silent_s)"
+            if went_silent
+            else f"ran past its {timeout_s:g} s timeout"
+        )
         error = launch.LaunchTimeout(
             f"{script.name} {why} on {len(nodes)} node(s); "
             f"every process of every node was killed.{hint}{where}",
-            None, -signal.SIGKILL, multinode_logs.by_global_rank(node_logs, running, nodes),
-        )  # fmt: skip
+            None,
+            -signal.SIGKILL,
+            multinode_logs.by_global_rank(node_logs, running, nodes),
+        )
         error.agent_output = {i: output(i) for i in range(len(nodes))}  # type: ignore[attr-defined]
         raise error from None
     finally:
@@ -413,8 +475,9 @@ def _run_nodes(
             )
         else:
             where = f"rank {rank}" if rank is not None else "an unknown rank"
-            detail = failures.tail_traceback(logs.get(rank, outputs[i]) if rank is not None
-                                            else outputs[i])  # fmt: skip
+            detail = failures.tail_traceback(
+                logs.get(rank, outputs[i]) if rank is not None else outputs[i]
+            )
             message = (
                 f"{script.name} failed on {where} (node {i}, exit code {codes.get(i)}).\n"
                 f"--- end of {where}'s output ---\n{detail}"
@@ -425,8 +488,9 @@ def _run_nodes(
     data = None
     if results_path is not None:
         if not results_path.exists():
-            raise launch.LaunchError(f"{script.name} exited cleanly but wrote no --results file",
-                                     None, 0, logs)  # fmt: skip
+            raise launch.LaunchError(
+                f"{script.name} exited cleanly but wrote no --results file", None, 0, logs
+            )
         data = json.loads(results_path.read_text())
     ranks = {
         i: multinode_logs.global_ranks(outputs[i], nodes[i].nproc) or [] for i in range(len(nodes))
@@ -438,8 +502,11 @@ def _run_nodes(
 def _stop_all(running: Mapping[int, tuple[subprocess.Popen, Any, list[str]]]) -> None:
     # All at once: an agent stuck in a store call ignores SIGTERM for kill_job's whole
     # grace period, and one at a time the waits would add up, node after node.
-    stoppers = [threading.Thread(target=jobs.kill_job, args=(proc,))
-                for proc, _, _ in running.values() if proc.poll() is None]  # fmt: skip
+    stoppers = [
+        threading.Thread(target=jobs.kill_job, args=(proc,))
+        for proc, _, _ in running.values()
+        if proc.poll() is None
+    ]
     for stopper in stoppers:
         stopper.start()
     for stopper in stoppers:

@@ -56,11 +56,22 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 # Flags that make a job span several nodes; the launcher then leaves
 # addresses and interfaces to them instead of pinning everything to loopback.
-MULTI_NODE_FLAGS = frozenset({
-    "--rdzv-endpoint", "--rdzv_endpoint", "--rdzv-backend", "--rdzv_backend",
-    "--master-addr", "--master_addr", "--master-port", "--master_port",
-    "--node-rank", "--node_rank", "--local-addr", "--local_addr",
-})  # fmt: skip
+MULTI_NODE_FLAGS = frozenset(
+    {
+        "--rdzv-endpoint",
+        "--rdzv_endpoint",
+        "--rdzv-backend",
+        "--rdzv_backend",
+        "--master-addr",
+        "--master_addr",
+        "--master-port",
+        "--master_port",
+        "--node-rank",
+        "--node_rank",
+        "--local-addr",
+        "--local_addr",
+    }
+)
 
 
 def loopback_interface() -> str | None:

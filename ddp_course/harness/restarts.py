@@ -33,9 +33,11 @@ def attempt_store(timeout: datetime.timedelta | None) -> dist.Store | None:
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     client = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
         timeout=timeout or datetime.timedelta(minutes=5),
-    )  # fmt: skip
+    )
     return dist.PrefixStore(attempt_prefix(), client)
 
 

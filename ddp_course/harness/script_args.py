@@ -57,28 +57,35 @@ class Flag:
 CONTRACT: dict[str, Flag] = {
     flag.name: flag
     for flag in (
-        Flag("--batch-size", int, "samples per rank per step", "samples",
-             ("--batch", "--bs")),
+        Flag("--batch-size", int, "samples per rank per step", "samples", ("--batch", "--bs")),
         Flag("--hidden", int, "features of a hidden layer", "features"),
         Flag("--epochs", int, "passes over the training data", "epochs"),
-        Flag("--steps", int, "optimizer steps", "steps",
-             ("--num-steps", "--n-steps", "--iters")),
+        Flag("--steps", int, "optimizer steps", "steps", ("--num-steps", "--n-steps", "--iters")),
         Flag("--lr", float, "learning rate", synonyms=("--learning-rate",)),
         Flag("--seed", int, "random seed, the same on every rank"),
         Flag("--timeout-s", float, "the process group's timeout", "seconds", ("--timeout",)),
         Flag("--checkpoint", str, "save to this file, resume from it", "path", ("--ckpt",)),
-        Flag("--results", str, "rank 0 writes the results here as JSON", "path",
-             ("--output", "--out", "--json")),
+        Flag(
+            "--results",
+            str,
+            "rank 0 writes the results here as JSON",
+            "path",
+            ("--output", "--out", "--json"),
+        ),
         Flag("--no-progress", bool, "no progress bar"),
         # A Transformer's shape: TinyGPT's arguments, spelled as flags.
-        Flag("--d-model", int, "model width: features in and out of a block", "features",
-             ("--n-embd", "--dim")),
+        Flag(
+            "--d-model",
+            int,
+            "model width: features in and out of a block",
+            "features",
+            ("--n-embd", "--dim"),
+        ),
         Flag("--n-heads", int, "attention heads", "heads", ("--heads", "--num-heads")),
         Flag("--n-layers", int, "Transformer blocks", "blocks", ("--num-layers",)),
-        Flag("--seq-len", int, "tokens per sequence", "tokens",
-             ("--block-size", "--seq-length")),
+        Flag("--seq-len", int, "tokens per sequence", "tokens", ("--block-size", "--seq-length")),
     )
-}  # fmt: skip
+}
 """The shared flags by name (``"--batch-size"``)."""
 
 _BY_KEYWORD = {flag.keyword: flag for flag in CONTRACT.values()}

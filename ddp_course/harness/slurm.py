@@ -67,8 +67,9 @@ def _node_line() -> str:
     # slurmd -C prints this machine's node definition (CPUs, sockets, cores,
     # threads, RealMemory in MiB) exactly as slurmd will report it, so the
     # controller never drains the node for a mismatch.
-    done = subprocess.run(["slurmd", "-C"], capture_output=True, text=True,
-                          timeout=_COMMAND_TIMEOUT_S)  # fmt: skip
+    done = subprocess.run(
+        ["slurmd", "-C"], capture_output=True, text=True, timeout=_COMMAND_TIMEOUT_S
+    )
     line = done.stdout.splitlines()[0] if done.returncode == 0 and done.stdout else ""
     if not line.startswith("NodeName="):
         raise SlurmUnavailable(f"`slurmd -C` did not describe this node: {done.stderr.strip()}")
@@ -126,10 +127,18 @@ class LocalSlurm:
         try:
             self._write_config()
             self._start_munge()
-            self._start_daemon("slurmctld", ["slurmctld", "-D", "-c", "-f", str(self.conf)],
-                               self.root / "slurmctld.log", self._controller_up)  # fmt: skip
-            self._start_daemon("slurmd", ["slurmd", "-D", "-f", str(self.conf)],
-                               self.root / "slurmd.log", self._node_idle)  # fmt: skip
+            self._start_daemon(
+                "slurmctld",
+                ["slurmctld", "-D", "-c", "-f", str(self.conf)],
+                self.root / "slurmctld.log",
+                self._controller_up,
+            )
+            self._start_daemon(
+                "slurmd",
+                ["slurmd", "-D", "-f", str(self.conf)],
+                self.root / "slurmd.log",
+                self._node_idle,
+            )
             self._up = True
         except BaseException:
             self.__exit__(None, None, None)
@@ -215,8 +224,14 @@ class LocalSlurm:
         # A controller that accepts but never answers must not hang the caller:
         # every client command has a deadline, and a missed one reads as a failure.
         try:
-            done = subprocess.run(list(cmd), env=kw.pop("env", self.env), capture_output=True,
-                                  text=True, timeout=timeout_s, **kw)  # fmt: skip
+            done = subprocess.run(
+                list(cmd),
+                env=kw.pop("env", self.env),
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+                **kw,
+            )
         except subprocess.TimeoutExpired:
             done = subprocess.CompletedProcess(cmd, 124, "", f"no answer in {timeout_s:.0f} s")
         if check and done.returncode != 0:
@@ -261,8 +276,9 @@ class LocalSlurm:
                 return
             time.sleep(0.2)
         why = "exited" if self._procs[name].poll() is not None else "did not become ready"
-        text = "".join(p.read_text(errors="replace") for p in (log, self.root / f"{name}.stdout")
-                       if p.exists())  # fmt: skip
+        text = "".join(
+            p.read_text(errors="replace") for p in (log, self.root / f"{name}.stdout") if p.exists()
+        )
         raise SlurmUnavailable(
             f"{name} {why} within {self.start_timeout_s:.0f} s; the end of its log:\n"
             + (tail(text, 20) or "(empty)")
@@ -353,9 +369,12 @@ class LocalSlurm:
             raise SlurmJobError(
                 f"job {job_id} ended {state} (exit code {fields.get('ExitCode', '?')}, "
                 f"reason {fields.get('Reason', '?')}); the end of its output:\n"
-                + (tail(output) or "(empty)") + daemons,
-                job_id, state, output,
-            )  # fmt: skip
+                + (tail(output) or "(empty)")
+                + daemons,
+                job_id,
+                state,
+                output,
+            )
         wall_s = time.perf_counter() - self._submitted.get(job_id, time.perf_counter())
         return JobResult(job_id, state, output, wall_s, int(fields.get("Restarts", "0")))
 

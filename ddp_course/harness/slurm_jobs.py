@@ -13,10 +13,19 @@ __all__ = ["FINAL_STATES", "JobResult", "SlurmJobError", "epoch_s", "parse_recor
 
 #: States in which a job is over
 #: (https://slurm.schedmd.com/squeue.html#SECTION_JOB-STATE-CODES).
-FINAL_STATES = frozenset({
-    "BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL",
-    "OUT_OF_MEMORY", "PREEMPTED", "TIMEOUT",
-})  # fmt: skip
+FINAL_STATES = frozenset(
+    {
+        "BOOT_FAIL",
+        "CANCELLED",
+        "COMPLETED",
+        "DEADLINE",
+        "FAILED",
+        "NODE_FAIL",
+        "OUT_OF_MEMORY",
+        "PREEMPTED",
+        "TIMEOUT",
+    }
+)
 
 
 class SlurmJobError(RuntimeError):

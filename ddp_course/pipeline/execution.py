@@ -232,9 +232,14 @@ def run_schedule(
     dtype = params[0].dtype if params else torch.float32
     total = sum(len(t) for t in targets) if last else 0
     in_shapes, out_shapes = _exchange_shapes(
-        first, last, rank, [x.shape for x in inputs] if first else [None] * microbatches,
-        stage, inputs[0].dtype if first else dtype, device,
-    )  # fmt: skip
+        first,
+        last,
+        rank,
+        [x.shape for x in inputs] if first else [None] * microbatches,
+        stage,
+        inputs[0].dtype if first else dtype,
+        device,
+    )
 
     def incoming(action):
         """(peer, buffer shape) of the message ``action`` waits for, or None."""

@@ -126,10 +126,23 @@ def _nbytes(tensors: list[torch.Tensor]) -> int:
 # torch.distributed's Python functions: a call to one from another thread (a communication
 # hook's future callback runs on the backend's thread) is logged too. Not isend and irecv:
 # P2POp checks that it was given those very functions.
-PYTHON_API = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-              "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "broadcast",
-              "reduce", "gather", "scatter", "send", "recv", "batch_isend_irecv",
-              "barrier")  # fmt: skip
+PYTHON_API = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "broadcast",
+    "reduce",
+    "gather",
+    "scatter",
+    "send",
+    "recv",
+    "batch_isend_irecv",
+    "barrier",
+)
 
 
 class _OtherThread(TorchDispatchMode):
@@ -236,9 +249,18 @@ class CollectiveLog(TorchDispatchMode):
         elif op in ("all_gather", "reduce_scatter"):
             ring = (size - 1) * nbytes // size
         first = whole[0]
-        return {"phase": phase, "op": op, "path": path, "shape": list(first.shape),
-                "dtype": str(first.dtype), "bytes": nbytes, "sent": sent, "ring_sent": ring,
-                "group_size": size, "dims": dims}  # fmt: skip
+        return {
+            "phase": phase,
+            "op": op,
+            "path": path,
+            "shape": list(first.shape),
+            "dtype": str(first.dtype),
+            "bytes": nbytes,
+            "sent": sent,
+            "ring_sent": ring,
+            "group_size": size,
+            "dims": dims,
+        }
 
     @contextlib.contextmanager
     def recording(self, phase: str | None = None) -> Iterator[None]:

@@ -163,8 +163,10 @@ def py_spy_dumps(marker: str, timeout_s: float = 30.0) -> dict[int, str]:
     for rank, proc in sorted(procs.items()):
         done = subprocess.run(
             [exe, "dump", "--pid", str(proc.pid)],
-            capture_output=True, text=True, timeout=timeout_s,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
         if done.returncode != 0:
             message = (done.stderr or done.stdout).strip()
             if "ermission" in message or "ptrace" in message:
@@ -305,13 +307,15 @@ def read_flight_recorder(folder: str | os.PathLike) -> dict[int, list[dict]]:
             where = (
                 f"{pathlib.Path(frames[0]['filename']).name}:{frames[0]['line']}" if frames else ""
             )
-            rows.append({
-                "seq": e["collective_seq_id"],
-                "op": e["profiling_name"].split(":")[-1],
-                "sizes": e["input_sizes"],
-                "state": e["state"],
-                "where": where,
-            })  # fmt: skip
+            rows.append(
+                {
+                    "seq": e["collective_seq_id"],
+                    "op": e["profiling_name"].split(":")[-1],
+                    "sizes": e["input_sizes"],
+                    "state": e["state"],
+                    "where": where,
+                }
+            )
         traces[int(path.name[5:])] = rows
     return traces
 

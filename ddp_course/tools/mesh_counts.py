@@ -101,8 +101,7 @@ def counted_step(counts: dict, at: int = 1):
     return step
 
 
-def memory_row(lay: ml.Layout, mm, ctx, config: dict, dtype: torch.dtype, batch,
-               lr: float) -> dict:  # fmt: skip
+def memory_row(lay: ml.Layout, mm, ctx, config: dict, dtype: torch.dtype, batch, lr: float) -> dict:
     """Bytes this rank holds after one AdamW step of ``mm`` on its slice of ``batch``,
     measured (:func:`~ddp_course.tools.zero_counts.held_state_bytes` with
     ``per_tensor=True``: lesson 13's formulas count the elements of each shard, while FSDP2
@@ -134,13 +133,14 @@ def count_kept_gathered(ctx, config: dict, dtype: torch.dtype, batch) -> dict:
     """
     lay = ml.layout("fsdp x tp", ctx.world_size)
     mesh = ml.build_mesh(lay, ctx.device.type)
-    mm = MeshModel(new_model(config, dtype, ctx.device, 0), lay, mesh,
-                   reshard_after_forward=False)  # fmt: skip
+    mm = MeshModel(new_model(config, dtype, ctx.device, 0), lay, mesh, reshard_after_forward=False)
     for _ in range(2):  # the second step is the steady one
         _, seen = count_step(mm, *my_slice(batch, mesh, lay.dp))
         mm.module.zero_grad()
-    return {"measured": seen,
-            "formula": predict.expected_collectives(lay, config["n_layers"], False)}  # fmt: skip
+    return {
+        "measured": seen,
+        "formula": predict.expected_collectives(lay, config["n_layers"], False),
+    }
 
 
 def synced_clock(device: torch.device) -> float:
@@ -169,16 +169,29 @@ def speed(step_seconds: list[float], warmup: int, tokens_per_step: int) -> dict:
     timed = step_seconds[warmup:]
     if not timed:
         why = f"{len(step_seconds)} steps leave none after --warmup {warmup}"
-        return {"timed_steps": 0, "seconds": None, "tokens_per_s": None,
-                "tokens_per_s_skipped": why}  # fmt: skip
+        return {
+            "timed_steps": 0,
+            "seconds": None,
+            "tokens_per_s": None,
+            "tokens_per_s_skipped": why,
+        }
     seconds = sum(timed)
-    return {"timed_steps": len(timed), "seconds": seconds,
-            "tokens_per_s": len(timed) * tokens_per_step / seconds,
-            "median_step_s": statistics.median(timed)}  # fmt: skip
+    return {
+        "timed_steps": len(timed),
+        "seconds": seconds,
+        "tokens_per_s": len(timed) * tokens_per_step / seconds,
+        "median_step_s": statistics.median(timed),
+    }
 
 
-def mfu_fields(tokens_per_s: float | None, world_size: int, gpu: str, dtype: str,
-               peak_flops: float | None, flops_per_token: float) -> dict:  # fmt: skip
+def mfu_fields(
+    tokens_per_s: float | None,
+    world_size: int,
+    gpu: str,
+    dtype: str,
+    peak_flops: float | None,
+    flops_per_token: float,
+) -> dict:
     """The MFU of a run (:func:`ddp_course.tools.flops.mfu`) or why it is skipped.
 
     Args:
@@ -198,5 +211,8 @@ def mfu_fields(tokens_per_s: float | None, world_size: int, gpu: str, dtype: str
         why = "MFU skipped: no step was timed"
     if why is not None:
         return {"mfu_skipped": why}
-    return {"mfu": flops.mfu(flops_per_token, tokens_per_s / world_size, peak),
-            "flops_per_token": flops_per_token, "peak_flops": peak}  # fmt: skip
+    return {
+        "mfu": flops.mfu(flops_per_token, tokens_per_s / world_size, peak),
+        "flops_per_token": flops_per_token,
+        "peak_flops": peak,
+    }

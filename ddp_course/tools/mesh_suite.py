@@ -49,22 +49,36 @@ def every_layout(ctx, config: dict, dtype: torch.dtype, batches, log) -> dict:
         lay = ml.layout(name, ctx.world_size)
         model = runs.new_model(config, dtype, ctx.device, 0)
         seen = {}
-        losses, mm, *_ = runs.train(lay, model, train_batches, ctx, runs.sgd, SUITE_LR,
-                                    step_fn=counted_step(seen))  # fmt: skip
+        losses, mm, *_ = runs.train(
+            lay, model, train_batches, ctx, runs.sgd, SUITE_LR, step_fn=counted_step(seen)
+        )
         formula = predict.expected_collectives(lay, config["n_layers"])
         counts[name] = {"measured": seen, "formula": formula}
         params = mm.full_parameters()
-        rows.append({"layout": name, "pp": lay.pp, "dp": lay.dp, "tp": lay.tp,
-                     "losses": losses, "gap": runs.max_gap(params, reference),
-                     "names": sorted(params), "moved": runs.max_gap(params, start)})  # fmt: skip
+        rows.append(
+            {
+                "layout": name,
+                "pp": lay.pp,
+                "dp": lay.dp,
+                "tp": lay.tp,
+                "losses": losses,
+                "gap": runs.max_gap(params, reference),
+                "names": sorted(params),
+                "moved": runs.max_gap(params, start),
+            }
+        )
         memory.append(memory_row(lay, mm, ctx, config, dtype, batches[-1], SUITE_LR))
         log.info(f"{name:>10}: |params - one process| <= {rows[-1]['gap']:.1e}")
-    return {"rows": rows, "memory": memory, "reference_losses": reference_losses,
-            "all_names": sorted(reference), "counts": counts}  # fmt: skip
+    return {
+        "rows": rows,
+        "memory": memory,
+        "reference_losses": reference_losses,
+        "all_names": sorted(reference),
+        "counts": counts,
+    }
 
 
-def suite(ctx, config: dict, dtype: torch.dtype, steps: int, seed: int, folder: str,
-          log) -> dict:  # fmt: skip
+def suite(ctx, config: dict, dtype: torch.dtype, steps: int, seed: int, folder: str, log) -> dict:
     """:func:`every_layout` on ``steps`` global batches of 8 sequences, then
     :func:`~ddp_course.tools.mesh_counts.count_kept_gathered`,
     :func:`~ddp_course.mesh_runs.checkpoint_round_trip` (saved in ``folder``) and
@@ -80,8 +94,7 @@ def suite(ctx, config: dict, dtype: torch.dtype, steps: int, seed: int, folder: 
     batches = runs.global_batches(steps + 1, batch_size, config["seq_len"], seed, ctx.device)
     result = every_layout(ctx, config, dtype, batches, log)
     result["counts_kept_gathered"] = count_kept_gathered(ctx, config, dtype, batches[0])
-    result["checkpoint"] = runs.checkpoint_round_trip(ctx, config, dtype, batches, SUITE_LR,
-                                                      folder)  # fmt: skip
+    result["checkpoint"] = runs.checkpoint_round_trip(ctx, config, dtype, batches, SUITE_LR, folder)
     result["loss_lab"] = runs.loss_normalisation_lab(ctx, config, dtype, batches[0])
     rows = result["rows"]
     result["memory"] = sum(runs.gather_lists(ctx, result["memory"]), [])

@@ -63,12 +63,17 @@ def block_check(args, ctx, sequence_parallel: bool, tol: float) -> dict:
         sp.all_reduce_sequence_parallel_grads(par)  # nothing to do without SP
     part = my_part if sequence_parallel else (lambda t, _: t)
     grads = gather_full_state(par, grads=True)
-    diffs = {"output": max_diff(out, part(ref(x), ctx), tol),
-             "input gradient": max_diff(part(x_par.grad, ctx), part(x.grad, ctx), tol),
-             "parameter gradients": max(max_diff(grads[n], q.grad, tol)
-                                        for n, q in ref.named_parameters())}  # fmt: skip
-    return {"diffs": diffs, "calls": {ph: log.summary(ph) for ph in
-                                      ("forward", "backward", "after backward")}}  # fmt: skip
+    diffs = {
+        "output": max_diff(out, part(ref(x), ctx), tol),
+        "input gradient": max_diff(part(x_par.grad, ctx), part(x.grad, ctx), tol),
+        "parameter gradients": max(
+            max_diff(grads[n], q.grad, tol) for n, q in ref.named_parameters()
+        ),
+    }
+    return {
+        "diffs": diffs,
+        "calls": {ph: log.summary(ph) for ph in ("forward", "backward", "after backward")},
+    }
 
 
 def ring_bytes_per_rank(calls: dict, n: int) -> int:
@@ -88,8 +93,9 @@ def split_block(args, ctx, seq_par: bool, **block_kwargs):
     whole = Block(args.d_model, args.n_heads, **block_kwargs).double()
     par = sp.ParallelBlock(whole, ctx.rank, ctx.world_size, sequence_parallel=seq_par)
     par = par.to(ctx.device)
-    x = torch.randn(args.batch_size, args.seq_len, args.d_model, dtype=torch.float64,
-                    device=ctx.device)  # fmt: skip
+    x = torch.randn(
+        args.batch_size, args.seq_len, args.d_model, dtype=torch.float64, device=ctx.device
+    )
     return par, (my_part(x, ctx) if seq_par else x).requires_grad_()
 
 
@@ -116,12 +122,17 @@ def saved_block_bytes(args, ctx, seq_par: bool) -> dict:
     with saved_activation_bytes([par], out):
         y = par(x)
     y.sum().backward()
-    whole_shape = [[args.batch_size, args.seq_len, args.d_model],
-                   [args.batch_size * args.seq_len, args.d_model]]  # fmt: skip
+    whole_shape = [
+        [args.batch_size, args.seq_len, args.d_model],
+        [args.batch_size * args.seq_len, args.d_model],
+    ]
     # CUDA's fused dropout keeps a 1-byte mask; the CPU's a float64 one.
     mask = 1 if ctx.device.type == "cuda" else 8
     formula = saved_block_bytes_formula(
         args.batch_size, args.seq_len, args.d_model, args.n_heads, ctx.world_size, seq_par, 8, mask
     )
-    return {"bytes": out["bytes"], "formula": formula,
-            "whole [B, T, d] kept": sum(s in whole_shape for s in out["shapes"])}  # fmt: skip
+    return {
+        "bytes": out["bytes"],
+        "formula": formula,
+        "whole [B, T, d] kept": sum(s in whole_shape for s in out["shapes"]),
+    }

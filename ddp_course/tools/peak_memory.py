@@ -69,8 +69,12 @@ def measured_step_bytes(
     device = next(model.parameters()).device
     held = size(model.parameters())
     # On a GPU AdamW's step counters stay on the host: count device memory only.
-    held += size(v for s in optimizer.state.values() for v in s.values()
-                 if torch.is_tensor(v) and v.device == device)  # fmt: skip
+    held += size(
+        v
+        for s in optimizer.state.values()
+        for v in s.values()
+        if torch.is_tensor(v) and v.device == device
+    )
     if device.type != "cuda":
         return held + profiled_peak_bytes(step)
     torch.cuda.synchronize(device)
@@ -103,7 +107,10 @@ class UnshardedPeak(TorchDispatchMode):
         self.peak_bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        held = sum(p.numel() * p.element_size() for p in self.model.parameters()
-                   if not isinstance(p, DTensor))  # fmt: skip
+        held = sum(
+            p.numel() * p.element_size()
+            for p in self.model.parameters()
+            if not isinstance(p, DTensor)
+        )
         self.peak_bytes = max(self.peak_bytes, held)
         return func(*args, **(kwargs or {}))

@@ -80,9 +80,15 @@ def run_metadata(
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "command": shlex.join(shown),
         "utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    } | ({} if ctx is None else {
-        "world_size": ctx.world_size, "backend": ctx.backend, "device": str(ctx.device),
-    })  # fmt: skip
+    } | (
+        {}
+        if ctx is None
+        else {
+            "world_size": ctx.world_size,
+            "backend": ctx.backend,
+            "device": str(ctx.device),
+        }
+    )
 
 
 def write_results(

@@ -163,8 +163,11 @@ def saved_activation_bytes(modules: list[nn.Module], out: dict) -> Iterator[None
     def leave(*_):
         depth[0] -= 1
 
-    handles = [h for m in modules for h in (m.register_forward_pre_hook(enter),
-                                            m.register_forward_hook(leave))]  # fmt: skip
+    handles = [
+        h
+        for m in modules
+        for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))
+    ]
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield

@@ -174,8 +174,15 @@ def efficiency_table(
     rows = []
     for ni, ti, th in zip(n, t, thr, strict=True):
         speedup = th / thr1
-        rows.append({"world_size": int(ni), "step_s": float(ti), "samples_per_s": float(th),
-                     "speedup": float(speedup), "efficiency": float(speedup / ni)})  # fmt: skip
+        rows.append(
+            {
+                "world_size": int(ni),
+                "step_s": float(ti),
+                "samples_per_s": float(th),
+                "speedup": float(speedup),
+                "efficiency": float(speedup / ni),
+            }
+        )
     return rows
 
 
@@ -335,8 +342,9 @@ class StepTimeModel:
         """Exposed communication in seconds (0 for one rank, which communicates nothing)."""
         if world_size == 1:
             return 0.0
-        return exposed_comm(bucket_bytes, self.ready_times(bucket_bytes), self.backward_s,
-                            all_reduce)  # fmt: skip
+        return exposed_comm(
+            bucket_bytes, self.ready_times(bucket_bytes), self.backward_s, all_reduce
+        )
 
     def predict(
         self, bucket_bytes: Sequence[float], all_reduce: AlphaBeta, world_size: int

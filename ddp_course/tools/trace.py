@@ -159,8 +159,12 @@ def overlap_report(
             "record_function and pass that label"
         )
     comm_us, both = total_length(c), total_length(intersection(c, b))
-    return {"comm_us": comm_us, "compute_us": total_length(b), "overlap_us": both,
-            "overlap_fraction": both / comm_us}  # fmt: skip
+    return {
+        "comm_us": comm_us,
+        "compute_us": total_length(b),
+        "overlap_us": both,
+        "overlap_fraction": both / comm_us,
+    }
 
 
 def slim_trace(events: Iterable[Mapping], keep: str = KEEP_PATTERN) -> dict:
@@ -178,6 +182,11 @@ def slim_trace(events: Iterable[Mapping], keep: str = KEEP_PATTERN) -> dict:
     kept = []
     for e in events:
         if e.get("ph") == "M" or (e.get("ph") == "X" and rx.search(str(e.get("name", "")))):
-            kept.append({k: e[k] for k in ("ph", "name", "cat", "ts", "dur", "pid", "tid", "args")
-                         if k in e})  # fmt: skip
+            kept.append(
+                {
+                    k: e[k]
+                    for k in ("ph", "name", "cat", "ts", "dur", "pid", "tid", "args")
+                    if k in e
+                }
+            )
     return {"traceEvents": kept, "displayTimeUnit": "ms"}

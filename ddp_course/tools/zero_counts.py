@@ -67,8 +67,11 @@ class CollectiveBytes:
     def calls(self) -> list[tuple[str, int]]:
         """``(op, bytes)`` in call order; op is ``"all_reduce"``, ``"broadcast"``,
         ``"all_gather"``, ``"reduce_scatter"`` or another of the log's ops."""
-        return [(c["op"], c["bytes"]) for c in self.log.calls
-                if c["op"] not in ("send", "recv", "barrier")]  # fmt: skip
+        return [
+            (c["op"], c["bytes"])
+            for c in self.log.calls
+            if c["op"] not in ("send", "recv", "barrier")
+        ]
 
     def bytes_of(self, op: str) -> int:
         """Bytes of every call of ``op`` (e.g. ``"broadcast"``) added up."""

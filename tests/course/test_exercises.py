@@ -88,13 +88,17 @@ def test_solutions_follow_the_convention(path):
     "path",
     [
         pytest.param(
-            p, marks=pytest.mark.xfail(p.stem in SOLUTIONS_PENDING, strict=True,
-                                       reason="worked solutions still to be written")
+            p,
+            marks=pytest.mark.xfail(
+                p.stem in SOLUTIONS_PENDING,
+                strict=True,
+                reason="worked solutions still to be written",
+            ),
         )
         for p in NOTEBOOKS
     ],
     ids=lambda p: p.stem,
-)  # fmt: skip
+)
 def test_every_exercise_has_a_worked_solution(path):
     nb = cells(path)
     count = exercise_count(nb)
@@ -106,12 +110,23 @@ def test_the_checks_catch_a_broken_solution():
     good = [
         {"cell_type": "markdown", "metadata": {}, "source": ["## Exercises\n\n1. One.\n2. Two.\n"]},
         {"cell_type": "markdown", "metadata": {}, "source": ["## Solutions\n"]},
-        {"cell_type": "markdown", "metadata": {"tags": ["solution"]},
-         "source": ["<details>\n<summary><b>Solution to exercise 1</b></summary>\n\n",
-                    "X\n\n</details>\n"]},
-        {"cell_type": "code", "metadata": {"tags": ["solution", "hide-cell"],
-         "jupyter": {"source_hidden": True, "outputs_hidden": True}}, "source": ["1"]},
-    ]  # fmt: skip
+        {
+            "cell_type": "markdown",
+            "metadata": {"tags": ["solution"]},
+            "source": [
+                "<details>\n<summary><b>Solution to exercise 1</b></summary>\n\n",
+                "X\n\n</details>\n",
+            ],
+        },
+        {
+            "cell_type": "code",
+            "metadata": {
+                "tags": ["solution", "hide-cell"],
+                "jupyter": {"source_hidden": True, "outputs_hidden": True},
+            },
+            "source": ["1"],
+        },
+    ]
     assert exercise_count(good) == 2 and [n for n, _ in solutions(good)] == [1]
     unfolded = json.loads(json.dumps(good))
     unfolded[3]["metadata"]["tags"] = ["solution"]

@@ -12,8 +12,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "ddp_course"
 # A mechanism may use the harness only for what distributed() needs: the restart prefix
 # under torchrun, and a store on loopback for a world started without torchrun.
-MECHANISM_USES_OF_HARNESS = {("runtime", "ddp_course.harness.restarts"),
-                             ("runtime", "ddp_course.harness.loopback")}  # fmt: skip
+MECHANISM_USES_OF_HARNESS = {
+    ("runtime", "ddp_course.harness.restarts"),
+    ("runtime", "ddp_course.harness.loopback"),
+}
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -68,8 +70,11 @@ def test_nothing_imports_a_private_name_of_the_package():
                 private += [
                     f"{path.relative_to(ROOT)}: {module}.{n}" for n in names if n.startswith("_")
                 ]
-                private += [f"{path.relative_to(ROOT)}: {module}" for part in module.split(".")
-                            if part.startswith("_") and part != "__main__"]  # fmt: skip
+                private += [
+                    f"{path.relative_to(ROOT)}: {module}"
+                    for part in module.split(".")
+                    if part.startswith("_") and part != "__main__"
+                ]
     assert not private, "make these public (with a docstring) or leave them alone:\n" + "\n".join(
         private
     )

@@ -45,9 +45,14 @@ def run_block(body: str, timeout_s: float = TIMEOUT_S) -> subprocess.CompletedPr
     """Run a block with bash -e from the repository root, BIN first on PATH."""
     env = dict(os.environ, PATH=os.pathsep.join([str(BIN), os.environ.get("PATH", "")]))
     return subprocess.run(
-        ["bash", "-e", "-o", "pipefail", "-c", body], cwd=ROOT, env=env,
-        capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+        ["bash", "-e", "-o", "pipefail", "-c", body],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 # Plain torchrun, as a learner types it, serves its store on every interface (lesson 03
@@ -72,8 +77,10 @@ def test_blocks_are_found_and_a_failing_command_fails():
         "and\n\n~~~bash\ncd notebooks\n~~~\n"
     )
     assert fenced_blocks(markdown) == [
-        ("bash", "torchrun --version\n"), ("text", "make lab\n"), ("bash", "cd notebooks\n"),
-    ]  # fmt: skip
+        ("bash", "torchrun --version\n"),
+        ("text", "make lab\n"),
+        ("bash", "cd notebooks\n"),
+    ]
     # The environment's torchrun is found, from the root; failures and wrong paths show.
     assert run_block("torchrun --help >/dev/null && test -d scripts").returncode == 0
     assert run_block("false\necho reached").returncode != 0

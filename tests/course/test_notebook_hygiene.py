@@ -95,8 +95,12 @@ def _model_refs(value) -> list[str]:
 
 def _orphaned_widgets(nb: dict, states: dict) -> set[str]:
     """Stored widget models that no output shows, directly or as a part of one."""
-    stack = [out["data"][WIDGET_VIEW]["model_id"] for cell in nb["cells"]
-             for out in cell.get("outputs", []) if WIDGET_VIEW in out.get("data", {})]  # fmt: skip
+    stack = [
+        out["data"][WIDGET_VIEW]["model_id"]
+        for cell in nb["cells"]
+        for out in cell.get("outputs", [])
+        if WIDGET_VIEW in out.get("data", {})
+    ]
     shown: set[str] = set()
     while stack:
         model = stack.pop()
@@ -122,8 +126,10 @@ def problems(nb: dict) -> list[str]:
     states = nb.get("metadata", {}).get("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
     orphans = _orphaned_widgets(nb, states)
     if orphans:
-        found.append(f"{len(orphans)} stored widget model(s) that no output shows: "
-                     "remove metadata.widgets and re-run")  # fmt: skip
+        found.append(
+            f"{len(orphans)} stored widget model(s) that no output shows: "
+            "remove metadata.widgets and re-run"
+        )
     for index, cell in enumerate(nb["cells"]):
         where = f"cell {index}"
         source = _text(cell["source"])
@@ -171,8 +177,13 @@ def test_notebook_is_clean(notebook):
 
 def _clean() -> dict:
     def code(n, outputs):
-        return {"cell_type": "code", "execution_count": n, "metadata": {}, "source": "x = 1",
-                "outputs": outputs}  # fmt: skip
+        return {
+            "cell_type": "code",
+            "execution_count": n,
+            "metadata": {},
+            "source": "x = 1",
+            "outputs": outputs,
+        }
 
     done = "epoch 1: 100%|██████████| 63/63 [00:02<00:00, 25.35it/s]\n"
     return {
@@ -191,7 +202,7 @@ def _clean() -> dict:
                         "data": {"text/plain": "see https://pytorch.org/home/docs/"},
                     }
                 ],
-            ),  # fmt: skip
+            ),
         ],
         "metadata": {"kernelspec": dict(KERNELSPEC), "language_info": {"name": "python"}},
         "nbformat": 4,
@@ -202,15 +213,22 @@ def _clean() -> dict:
 def _widget_notebook(value: float, label: str) -> dict:
     nb = _clean()
     states = {
-        "box": {"model_name": "HBoxModel",
-                "state": {"children": ["IPY_MODEL_l", "IPY_MODEL_p", "IPY_MODEL_c"]}},
+        "box": {
+            "model_name": "HBoxModel",
+            "state": {"children": ["IPY_MODEL_l", "IPY_MODEL_p", "IPY_MODEL_c"]},
+        },
         "l": {"model_name": "HTMLModel", "state": {"value": label}},
         "p": {"model_name": "FloatProgressModel", "state": {"value": value, "max": 63.0}},
         "c": {"model_name": "HTMLModel", "state": {"value": f"{int(value)}/63"}},
-    }  # fmt: skip
+    }
     nb["metadata"]["widgets"] = {WIDGET_STATE: {"state": states}}
-    nb["cells"][3]["outputs"] = [{"output_type": "display_data", "metadata": {},
-        "data": {WIDGET_VIEW: {"model_id": "box"}, "text/plain": "  0%|  | 0/63"}}]  # fmt: skip
+    nb["cells"][3]["outputs"] = [
+        {
+            "output_type": "display_data",
+            "metadata": {},
+            "data": {WIDGET_VIEW: {"model_id": "box"}, "text/plain": "  0%|  | 0/63"},
+        }
+    ]
     return nb
 
 
@@ -237,19 +255,28 @@ def _set_output(cell: int, text: str, name: str = "stdout"):
     [
         (_set_output(1, "saved to /work/main/build/x.json\n"), "machine path '/work'"),
         (_set_output(1, "cwd is /tmp\n"), "machine path '/tmp'"),
-        (_set_output(1, "File \"/home/ana/x.py\", line 3\n"), "machine path '/home'"),
+        (_set_output(1, 'File "/home/ana/x.py", line 3\n'), "machine path '/home'"),
         (_set_output(1, "in /root/.cache\n"), "machine path '/root'"),
         (_set_output(1, "at /Users/ana/ddp\n"), "machine path '/Users'"),
         (_set_output(1, "at C:\\Users\\ana\n"), "machine path 'C:\\\\'"),
-        (_set_output(2, "  0%|  | 0/63\r 97%|█████████▋| 61/63 [00:03<00:00]\n", "stderr"),
-         "progress bar stored below 100%"),
-        (_set_output(2, "usage: 05_train_ddp.py [-h] [--epochs N]\nerror: bad\n", "stderr"),
-         "argparse usage block"),
-        (_set_output(2, "$ torchrun x.py\n  ... x.py still running, 10 s\nx.py done\n"),
-         "heartbeat line"),
-        (lambda nb: nb["cells"][1]["outputs"].append(
-            {"output_type": "error", "ename": "ValueError", "evalue": "", "traceback": []}),
-         "error output ValueError"),
+        (
+            _set_output(2, "  0%|  | 0/63\r 97%|█████████▋| 61/63 [00:03<00:00]\n", "stderr"),
+            "progress bar stored below 100%",
+        ),
+        (
+            _set_output(2, "usage: 05_train_ddp.py [-h] [--epochs N]\nerror: bad\n", "stderr"),
+            "argparse usage block",
+        ),
+        (
+            _set_output(2, "$ torchrun x.py\n  ... x.py still running, 10 s\nx.py done\n"),
+            "heartbeat line",
+        ),
+        (
+            lambda nb: nb["cells"][1]["outputs"].append(
+                {"output_type": "error", "ename": "ValueError", "evalue": "", "traceback": []}
+            ),
+            "error output ValueError",
+        ),
         (lambda nb: nb["cells"][0].update(source="As pitfall 8 says"), "internal vocabulary"),
         (lambda nb: nb["cells"][0].update(source="the performance goal"), "internal vocabulary"),
         (lambda nb: nb["cells"][0].update(source="from the seed material"), "internal vocabulary"),
@@ -261,7 +288,7 @@ def _set_output(cell: int, text: str, name: str = "stdout"):
         (lambda nb: nb["metadata"]["kernelspec"].update(display_name="Python 3"), "kernelspec"),
         (lambda nb: nb["metadata"].pop("language_info"), "language_info"),
     ],
-)  # fmt: skip
+)
 def test_each_defect_is_caught(change, expected):
     found = problems(_with(change))
     assert any(expected in line for line in found), found

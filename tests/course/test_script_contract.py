@@ -75,8 +75,11 @@ def _converts_to(kwargs: dict) -> type:
 def test_one_main_called_under_the_main_guard(script):
     tree = ast.parse(script.read_text())
     functions = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
-    guards = [node for node in tree.body if isinstance(node, ast.If)
-              and ast.unparse(node.test) == "__name__ == '__main__'"]  # fmt: skip
+    guards = [
+        node
+        for node in tree.body
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "__name__ == '__main__'"
+    ]
     assert "main" in functions, f"{script.name}: define main()"
     assert len(guards) == 1 and [ast.unparse(s) for s in guards[0].body] == ["main()"], (
         f'{script.name}: end with `if __name__ == "__main__":\\n    main()`'
@@ -124,9 +127,12 @@ def test_the_contract_test_sees_a_wrong_spelling(tmp_path):
 
 def test_script_parser_adds_the_contract_flags_it_names_at_the_scripts_defaults():
     parser = script_parser(
-        "One line.\n\nMore.", steps=3, results=None, no_progress=False,
+        "One line.\n\nMore.",
+        steps=3,
+        results=None,
+        no_progress=False,
         help={"steps": "SGD steps per case"},
-    )  # fmt: skip
+    )
     assert parser.description == "One line."
     assert vars(parser.parse_args([])) == {"steps": 3, "results": None, "no_progress": False}
     args = parser.parse_args(["--steps", "5", "--no-progress", "--results", "r.json"])

@@ -157,8 +157,9 @@ def test_pipeline_script_on_gpus(pipeline_run):
     for one in r["runs"]:
         assert one["grad_diff"] <= 1e-5  # the script asserts it too, per rank
         for rank in range(RANKS):
-            mine = sorted((e for e in one["timeline"] if e["rank"] == rank),
-                          key=lambda e: e["start"])  # fmt: skip
+            mine = sorted(
+                (e for e in one["timeline"] if e["rank"] == rank), key=lambda e: e["start"]
+            )
             assert mine, (one["schedule"], rank)
             # One rank does one thing at a time: its actions never overlap.
             for before, after in zip(mine, mine[1:]):
@@ -215,8 +216,18 @@ def test_fsdp2_checkpoint_loads_on_fewer_gpus(fsdp):
 @pytest.fixture(scope="module")
 def sweep():
     """10_benchmark.py's collectives sweep with one rank per GPU."""
-    args = ["collectives", "--min-bytes", "4096", "--max-bytes", str(16 * 2**20),
-            "--warmup", "2", "--repeats", "5", "--no-progress"]  # fmt: skip
+    args = [
+        "collectives",
+        "--min-bytes",
+        "4096",
+        "--max-bytes",
+        str(16 * 2**20),
+        "--warmup",
+        "2",
+        "--repeats",
+        "5",
+        "--no-progress",
+    ]
     return run_kept("10_benchmark_collectives", "10_benchmark.py", args)
 
 
@@ -247,8 +258,13 @@ def test_benchmark_nccl_sweep(sweep):
 def test_benchmark_every_mode_tiny_on_gpus():
     r = run_kept("10_benchmark_tiny", "10_benchmark.py", ["all", "--tiny", "--no-progress"])
     assert (r["meta"]["backend"], r["meta"]["world_size"]) == ("nccl", RANKS)
-    assert {row["mode"] for row in r["rows"]} == {"collectives", "scaling", "knobs", "model",
-                                                  "trace"}  # fmt: skip
+    assert {row["mode"] for row in r["rows"]} == {
+        "collectives",
+        "scaling",
+        "knobs",
+        "model",
+        "trace",
+    }
 
 
 # ---------------------------------------------------------------- in this process
@@ -334,8 +350,9 @@ def test_scratch_data_parallel_with_more_replicas_than_gpus_runs_on_cpu():
     model.load_state_dict(reference.state_dict())
     dp = DataParallel(model, num_replicas=n)
     assert dp.devices == [torch.device("cpu")] * n
-    for ours, plain in zip(_gradients(model, x, y, lambda m: dp),
-                           _gradients(reference, x, y, lambda m: m), strict=True):  # fmt: skip
+    for ours, plain in zip(
+        _gradients(model, x, y, lambda m: dp), _gradients(reference, x, y, lambda m: m), strict=True
+    ):
         torch.testing.assert_close(ours, plain, rtol=1e-4, atol=1e-5)
 
 
@@ -377,10 +394,13 @@ def test_pipeline_clock_waits_for_the_gpu():
             events[key].clear()
         stage.zero_grad()
         result = pipeline.run_schedule(
-            pipeline.schedule("gpipe", 1, m), stage, 0,
-            inputs=pipeline.split_microbatches(x, m), targets=pipeline.split_microbatches(y, m),
+            pipeline.schedule("gpipe", 1, m),
+            stage,
+            0,
+            inputs=pipeline.split_microbatches(x, m),
+            targets=pipeline.split_microbatches(y, m),
             loss_fn=cross_entropy,
-        )  # fmt: skip
+        )
     torch.cuda.synchronize(device)
     backward = [e for e in result.events if e.action.kind == "B"]
     assert len(backward) == m == len(events["first"]) == len(events["last"])

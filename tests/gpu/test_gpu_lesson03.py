@@ -47,8 +47,9 @@ def test_process_groups_with_one_rank_per_gpu(root):
 
 @needs_gpu
 def test_process_groups_as_one_plain_process_on_a_gpu(root):
-    job = launch.python(root / "scripts/03_process_groups.py", results=True, echo=False,
-                        timeout_s=300)  # fmt: skip
+    job = launch.python(
+        root / "scripts/03_process_groups.py", results=True, echo=False, timeout_s=300
+    )
     keep("03_process_groups_plain", job.results)
     check_groups(job.results, 1)
     assert job.results["init"]["env://"]["store_listens_on"] == ["127.0.0.1"]  # its own
@@ -58,9 +59,12 @@ def test_process_groups_as_one_plain_process_on_a_gpu(root):
 def test_recv_first_deadlock_ends_in_the_nccl_watchdogs_timeout(root):
     args = ["--deadlock", "--timeout-s", "3"]  # notebook 03's settings
     with pytest.raises(launch.LaunchError) as caught:
-        launch.torchrun(root / "scripts/03_collectives.py", args, nproc=2, timeout_s=90,
-                        echo=False)  # fmt: skip
+        launch.torchrun(root / "scripts/03_collectives.py", args, nproc=2, timeout_s=90, echo=False)
     assert not isinstance(caught.value, launch.LaunchTimeout)  # the process group ended it
-    lines = [line for text in caught.value.logs.values() for line in text.splitlines()
-             if launch.is_timeout(line)]  # fmt: skip
+    lines = [
+        line
+        for text in caught.value.logs.values()
+        for line in text.splitlines()
+        if launch.is_timeout(line)
+    ]
     assert any("collective operation timeout" in line for line in lines), lines

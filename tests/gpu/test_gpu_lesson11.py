@@ -23,17 +23,24 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 def _two_nodes(root, tmp_path):
     # Two nodes of one rank each on loopback, no network namespace.
     return multinode.torchrun_nodes(
-        root / "scripts" / "11_train.py", [*ARGS, "--checkpoint", str(tmp_path / "nodes.pt")],
-        [multinode.Node(1, i) for i in range(2)], results=True, echo=True, timeout_s=120,
+        root / "scripts" / "11_train.py",
+        [*ARGS, "--checkpoint", str(tmp_path / "nodes.pt")],
+        [multinode.Node(1, i) for i in range(2)],
+        results=True,
+        echo=True,
+        timeout_s=120,
         env=ONE_THREAD,
-    )  # fmt: skip
+    )
 
 
 @needs_gpu
 def test_simulated_nodes_run_on_cpu_with_gloo_and_say_why(root, tmp_path, capsys):
     job = _two_nodes(root, tmp_path)
-    said = [line for line in capsys.readouterr().out.splitlines()
-            if multinode.SIMULATED_NODES_REASON in line]  # fmt: skip
+    said = [
+        line
+        for line in capsys.readouterr().out.splitlines()
+        if multinode.SIMULATED_NODES_REASON in line
+    ]
     r = job.results
     keep("11_train_two_nodes", r)
     assert len(said) == 1 and "running on CPU with gloo" in said[0]
@@ -45,10 +52,14 @@ def test_simulated_nodes_run_on_cpu_with_gloo_and_say_why(root, tmp_path, capsys
 def test_the_notebooks_cpu_reference_matches_the_simulated_nodes(root, tmp_path):
     # Notebook 11's reference: 2 ranks on one node, on the CPU as the nodes are.
     reference = launch.torchrun(
-        root / "scripts" / "11_train.py", [*ARGS, "--checkpoint", str(tmp_path / "ref.pt")],
-        nproc=2, results=True, echo=False, timeout_s=120,
+        root / "scripts" / "11_train.py",
+        [*ARGS, "--checkpoint", str(tmp_path / "ref.pt")],
+        nproc=2,
+        results=True,
+        echo=False,
+        timeout_s=120,
         env={runtime.DEVICE_ENV: multinode.SIMULATED_NODES_DEVICE},
-    ).results  # fmt: skip
+    ).results
     nodes = _two_nodes(root, tmp_path).results
     assert reference["backend"] == "gloo"
     assert nodes["parameters_sha256"] == reference["parameters_sha256"]

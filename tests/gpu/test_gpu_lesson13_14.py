@@ -19,8 +19,9 @@ TINY = ["--d-model", "16", "--seq-len", "16"]
 
 
 def _python(root, script, args):
-    return launch.python(root / "scripts" / script, args, results=True, echo=False,
-                         timeout_s=300).results  # fmt: skip
+    return launch.python(
+        root / "scripts" / script, args, results=True, echo=False, timeout_s=300
+    ).results
 
 
 @needs_gpu
@@ -38,12 +39,40 @@ def test_gpt_plain_run_matches_ddp_on_a_gpu(root):
 
 @needs_gpu
 def test_gpt_bfloat16_records_tokens_per_s_and_mfu(root):
-    args = ["--dtype", "bfloat16", "--steps", "30", "--warmup", "10", "--sample", "0",
-            "--d-model", "128", "--seq-len", "128", "--batch-size", "16"]  # fmt: skip
+    args = [
+        "--dtype",
+        "bfloat16",
+        "--steps",
+        "30",
+        "--warmup",
+        "10",
+        "--sample",
+        "0",
+        "--d-model",
+        "128",
+        "--seq-len",
+        "128",
+        "--batch-size",
+        "16",
+    ]
     r = _python(root, "13_gpt.py", args)
-    keep("13_gpt_bf16", {k: r.get(k) for k in ("meta", "gpu", "tokens_per_s", "median_step_s",
-                                                "mfu", "mfu_skipped", "flops_per_token",
-                                                "timed_steps", "master_dtypes")})  # fmt: skip
+    keep(
+        "13_gpt_bf16",
+        {
+            k: r.get(k)
+            for k in (
+                "meta",
+                "gpu",
+                "tokens_per_s",
+                "median_step_s",
+                "mfu",
+                "mfu_skipped",
+                "flops_per_token",
+                "timed_steps",
+                "master_dtypes",
+            )
+        },
+    )
     assert r["master_dtypes"] == ["torch.float32"]  # float32 master weights
     assert r["head_output_dtypes"] == ["torch.bfloat16"]  # bfloat16 compute
     assert r["timed_steps"] == 20 and r["tokens_per_s"] > 0
@@ -81,10 +110,16 @@ def test_memory_cuda_peak_within_the_predicted_bound(root):
 
 @needs_4_gpus
 def test_gpt_suite_on_four_gpus(root, tmp_path):
-    r = run(root, "13_gpt.py", ["--suite", "--dtype", "float64", "--steps", "5",
-                                "--checkpoint", str(tmp_path / "dcp")], nproc=4)  # fmt: skip
-    keep("13_gpt_suite", {"meta": r["meta"], "gaps_by_rank": r["gaps_by_rank"],
-                          "checkpoint": r["checkpoint"]})  # fmt: skip
+    r = run(
+        root,
+        "13_gpt.py",
+        ["--suite", "--dtype", "float64", "--steps", "5", "--checkpoint", str(tmp_path / "dcp")],
+        nproc=4,
+    )
+    keep(
+        "13_gpt_suite",
+        {"meta": r["meta"], "gaps_by_rank": r["gaps_by_rank"], "checkpoint": r["checkpoint"]},
+    )
     assert r["meta"]["backend"] == "nccl"
     for gaps in r["gaps_by_rank"]:
         assert all(g <= 1e-10 for g in gaps.values()), gaps

@@ -23,12 +23,35 @@ from ddp_course.harness import launch
 pytestmark = pytest.mark.serial
 
 # Small settings; 12 heads divide any world size from 1 to 4 (Ulysses splits the heads).
-CP_ARGS = ["--batch-size", "2", "--n-heads", "12", "--t-local", "4", "--head-dim", "4",
-           "--chunks", "1", "4"]  # fmt: skip
+CP_ARGS = [
+    "--batch-size",
+    "2",
+    "--n-heads",
+    "12",
+    "--t-local",
+    "4",
+    "--head-dim",
+    "4",
+    "--chunks",
+    "1",
+    "4",
+]
 # Notebook 15's jobs, with its parameters cell's settings.
 NOTEBOOK_CP_ARGS = ["--batch-size", "2", "--n-heads", "4", "--t-local", "16", "--head-dim", "8"]
-NOTEBOOK_MOE_ARGS = ["--d-model", "16", "--hidden", "32", "--experts", "4", "--k", "2",
-                     "--tokens", "24", "--capacity-factor", "1.0"]  # fmt: skip
+NOTEBOOK_MOE_ARGS = [
+    "--d-model",
+    "16",
+    "--hidden",
+    "32",
+    "--experts",
+    "4",
+    "--k",
+    "2",
+    "--tokens",
+    "24",
+    "--capacity-factor",
+    "1.0",
+]
 BF16_ROUNDING = 2.0**-8  # bfloat16: rounding x once moves it by at most 2^-8 |x|
 
 
@@ -78,8 +101,9 @@ def check_moe(r: dict, world_size: int) -> None:
 
 @needs_gpu
 def test_context_parallel_as_plain_python_on_a_gpu(root):
-    r = launch.python(root / "scripts/15_context_parallel.py", CP_ARGS, results=True,
-                      echo=False, timeout_s=300).results  # fmt: skip
+    r = launch.python(
+        root / "scripts/15_context_parallel.py", CP_ARGS, results=True, echo=False, timeout_s=300
+    ).results
     keep("15_context_parallel_plain", r)
     check_context_parallel(r, 1)
 
@@ -88,8 +112,13 @@ def test_context_parallel_as_plain_python_on_a_gpu(root):
 def test_moe_as_plain_python_on_a_gpu(root):
     # A CPU tensor all-reduced on nccl was refused here ("No backend type associated with
     # device type cpu") before the script built it on ctx.device.
-    r = launch.python(root / "scripts/15_moe.py", ["--tokens", "8", "--steps", "3"],
-                      results=True, echo=False, timeout_s=300).results  # fmt: skip
+    r = launch.python(
+        root / "scripts/15_moe.py",
+        ["--tokens", "8", "--steps", "3"],
+        results=True,
+        echo=False,
+        timeout_s=300,
+    ).results
     keep("15_moe_plain", r)
     check_moe(r, 1)
 
@@ -99,8 +128,7 @@ def nccl_group_of_one():
     if dist.is_initialized():
         pytest.skip("a process group already exists in this process")
     device = torch.device("cuda", 0)
-    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
-                            device_id=device)  # fmt: skip
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
     try:
         yield device
     finally:
@@ -113,8 +141,10 @@ def errors(got, exact):
     out = {}
     for name, a, b in zip(["output", "dq", "dk", "dv"], got, exact):
         e = (a.double() - b).abs()
-        out[name] = {"max_error": e.max().item(),
-                     "beyond_one_rounding": (e - BF16_ROUNDING * b.abs()).max().item()}  # fmt: skip
+        out[name] = {
+            "max_error": e.max().item(),
+            "beyond_one_rounding": (e - BF16_ROUNDING * b.abs()).max().item(),
+        }
     return out
 
 
@@ -122,16 +152,23 @@ def errors(got, exact):
 def test_bf16_ring_attention_on_a_gpu_rounds_once(nccl_group_of_one):
     device = nccl_group_of_one
     gen = torch.Generator().manual_seed(0)
-    q, k, v, grad = (torch.randn(2, 8, 1024, 64, generator=gen, dtype=torch.float64)
-                     .to(torch.bfloat16).double().to(device) for _ in range(4))  # fmt: skip
+    q, k, v, grad = (
+        torch.randn(2, 8, 1024, 64, generator=gen, dtype=torch.float64)
+        .to(torch.bfloat16)
+        .double()
+        .to(device)
+        for _ in range(4)
+    )
     ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
     ref = cp.reference_attention(*ref_in, causal=True)
     (ref * grad).sum().backward()
     exact = [ref, *(x.grad for x in ref_in)]
     results = {}
-    for name, acc in (("ring, float32 accumulators", None),
-                      ("ring, bfloat16 accumulators", torch.bfloat16),
-                      ("scaled_dot_product_attention", "sdpa")):  # fmt: skip
+    for name, acc in (
+        ("ring, float32 accumulators", None),
+        ("ring, bfloat16 accumulators", torch.bfloat16),
+        ("scaled_dot_product_attention", "sdpa"),
+    ):
         local = [x.to(torch.bfloat16).requires_grad_() for x in (q, k, v)]
         if acc == "sdpa":  # the GPU's own bfloat16 kernel (flash or memory-efficient)
             out = torch.nn.functional.scaled_dot_product_attention(*local, is_causal=True)
@@ -139,8 +176,10 @@ def test_bf16_ring_attention_on_a_gpu_rounds_once(nccl_group_of_one):
             out = cp.ring_attention(*local, causal=True, accumulate_dtype=acc)
         (out.double() * grad).sum().backward()
         results[name] = errors([out, *(x.grad for x in local)], exact)
-    keep("15_ring_attention_bf16", {"device": torch.cuda.get_device_name(device),
-                                    "shape": list(q.shape), "errors": results})  # fmt: skip
+    keep(
+        "15_ring_attention_bf16",
+        {"device": torch.cuda.get_device_name(device), "shape": list(q.shape), "errors": results},
+    )
     ours = results["ring, float32 accumulators"]
     assert max(e["beyond_one_rounding"] for e in ours.values()) <= 1e-5, results
     bf16 = results["ring, bfloat16 accumulators"]
@@ -176,10 +215,26 @@ def test_context_parallel_notebook_job_on_four_gpus(root):
 def test_ring_attention_overlap_on_gpus(root):
     # Each pass posted before the step's blocks and waited for after them, against waited
     # for at once: the same results bit for bit; the time the overlap saves is recorded.
-    args = ["--t-local", "2048", "--n-heads", "16", "--head-dim", "64", "--dtype", "bfloat16",
-            "--repeats", "5"]  # fmt: skip
-    r = launch.torchrun(root / "tests/workers/ring_overlap_check.py", args, nproc=RANKS,
-                        results=True, echo=False, timeout_s=300).results  # fmt: skip
+    args = [
+        "--t-local",
+        "2048",
+        "--n-heads",
+        "16",
+        "--head-dim",
+        "64",
+        "--dtype",
+        "bfloat16",
+        "--repeats",
+        "5",
+    ]
+    r = launch.torchrun(
+        root / "tests/workers/ring_overlap_check.py",
+        args,
+        nproc=RANKS,
+        results=True,
+        echo=False,
+        timeout_s=300,
+    ).results
     keep("15_ring_overlap", r)
     assert r["device"].startswith("cuda") and r["backend"] == "nccl", r
     assert r["equal"], r

@@ -22,9 +22,22 @@ from ddp_course.harness import launch
 pytestmark = pytest.mark.serial
 
 # 2048 samples x 2048 features x 4 bytes / 2 micro-batches: 8 MiB per message.
-BIG_PIPELINE = ["--schedule", "1f1b", "gpipe", "--microbatches", "2",
-                "--batch-size", "2048", "--hidden", "2048", "--layers", "2",
-                "--stage-cost-s", "0", "--no-torch"]  # fmt: skip
+BIG_PIPELINE = [
+    "--schedule",
+    "1f1b",
+    "gpipe",
+    "--microbatches",
+    "2",
+    "--batch-size",
+    "2048",
+    "--hidden",
+    "2048",
+    "--layers",
+    "2",
+    "--stage-cost-s",
+    "0",
+    "--no-torch",
+]
 
 
 @needs_2_gpus

@@ -16,8 +16,15 @@ from ddp_course.harness import agent_server, launch
 def _views(workers, tmp_path, served, monkeypatch, env=None):
     monkeypatch.setenv(agent_server.SERVER_ENV, "1" if served else "0")
     goodbye = tmp_path / f"atexit_{served}.txt"
-    job = launch.torchrun(workers / "rank_start_probe.py", ["--atexit-file", str(goodbye)],
-                          nproc=2, results=True, echo=False, gpus=0, env=env)  # fmt: skip
+    job = launch.torchrun(
+        workers / "rank_start_probe.py",
+        ["--atexit-file", str(goodbye)],
+        nproc=2,
+        results=True,
+        echo=False,
+        gpus=0,
+        env=env,
+    )
     return job, job.results["views"]
 
 
@@ -77,8 +84,9 @@ def test_the_server_leaves_with_its_launcher(workers):
         f"launch.torchrun({str(workers / 'launch_sleep.py')!r}, nproc=1, echo=False, gpus=0)\n"
         "print(launch._AGENTS.pid)\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=300, check=True)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
     pid = int(done.stdout.split()[-1])
     deadline = time.monotonic() + 20
     while psutil.pid_exists(pid) and time.monotonic() < deadline:
@@ -96,8 +104,9 @@ def test_a_process_can_show_another_command_line(argv):
         "print(repr([a for a in psutil.Process().cmdline() if a]))\n"
     )
     room = "-" * 1000  # as the server reserves room for its agents' command lines
-    done = subprocess.run([sys.executable, "-c", code, room], capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", code, room], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == repr(argv)
 
@@ -106,8 +115,13 @@ def test_an_agent_that_cannot_start_fails_and_says_why(monkeypatch):
     # The agent's folder is gone by the time it starts: it must fail, never exit 0.
     server = agent_server.AgentServer({**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        command = [sys.executable, "-m", "ddp_course.harness.loopback", "--nproc_per_node=1",
-                   "no_such_script.py"]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "ddp_course.harness.loopback",
+            "--nproc_per_node=1",
+            "no_such_script.py",
+        ]
         monkeypatch.setattr(os, "getcwd", lambda: "/no/such/folder")
         job = server.start(command, dict(os.environ))
         monkeypatch.undo()

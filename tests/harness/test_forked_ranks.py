@@ -12,8 +12,15 @@ from ddp_course.harness import forked_ranks, launch
 
 def _views(workers, tmp_path, fork, *args):
     goodbye = tmp_path / f"atexit_{fork}.txt"
-    job = launch.torchrun(workers / "rank_start_probe.py", ["--atexit-file", str(goodbye), *args],
-                          nproc=2, results=True, echo=False, gpus=0, fork_ranks=fork)  # fmt: skip
+    job = launch.torchrun(
+        workers / "rank_start_probe.py",
+        ["--atexit-file", str(goodbye), *args],
+        nproc=2,
+        results=True,
+        echo=False,
+        gpus=0,
+        fork_ranks=fork,
+    )
     return job.results["views"], goodbye.read_text()
 
 
@@ -28,7 +35,9 @@ def test_a_forked_rank_sees_what_a_new_interpreter_sees(workers, tmp_path):
         view.pop("agent_ancestors")  # tests/harness/test_agent_server.py
         argv = view.pop("argv")
         assert argv[0] == str(workers / "rank_start_probe.py") and argv[1::2] == [
-            "--atexit-file", "--results"]  # fmt: skip
+            "--atexit-file",
+            "--results",
+        ]
     assert forked == started
     assert forked[0]["threads"] == 1 and forked[0]["omp_num_threads"] == "1"
     assert forked[0]["listening_at_start"] == []  # the agent's store is not rank 0's
@@ -60,8 +69,9 @@ def test_a_failing_forked_rank_reads_as_a_failing_rank(workers, tmp_path, fork):
 
 def test_only_single_node_cpu_jobs_fork(workers, monkeypatch):
     with pytest.raises(ValueError, match="single-node job on the CPU"):
-        launch.torchrun(workers / "rank_start_probe.py", env={"DDP_COURSE_DEVICE": "cuda"},
-                        fork_ranks=True)  # fmt: skip
+        launch.torchrun(
+            workers / "rank_start_probe.py", env={"DDP_COURSE_DEVICE": "cuda"}, fork_ranks=True
+        )
     monkeypatch.setenv("DDP_COURSE_FORK_RANKS", "yes")
     with pytest.raises(ValueError, match="DDP_COURSE_FORK_RANKS='yes'"):
         launch.torchrun(workers / "rank_start_probe.py", gpus=0)
@@ -82,5 +92,6 @@ def test_no_rank_is_forked_on_a_machine_with_a_gpu(workers, monkeypatch):
     assert not forked_ranks.enabled({})
     assert not launch._fork_ranks(None, {"DDP_COURSE_DEVICE": "cpu"}, single_node=True)
     with pytest.raises(ValueError, match="torch sees no GPU"):
-        launch.torchrun(workers / "rank_start_probe.py", env={"DDP_COURSE_DEVICE": "cpu"},
-                        fork_ranks=True)  # fmt: skip
+        launch.torchrun(
+            workers / "rank_start_probe.py", env={"DDP_COURSE_DEVICE": "cpu"}, fork_ranks=True
+        )

@@ -38,8 +38,13 @@ def test_without_a_gpu_it_says_so_in_one_line_and_runs_nothing(monkeypatch, caps
 
 @pytest.mark.skipif(runtime.gpu_count() > 0, reason="this machine has a GPU")
 def test_make_gpu_check_exits_non_zero_here(root):
-    done = subprocess.run([sys.executable, "-m", "ddp_course", "gpu-check"], cwd=root,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "ddp_course", "gpu-check"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2, done
     assert done.stdout.count("\n") == 1 and "no CUDA GPU" in done.stdout
     recipe = (root / "Makefile").read_text().split("\ngpu-check:")[1]
@@ -52,8 +57,16 @@ def test_machine_info_names_the_versions_and_gpus():
     info = gpu_check.machine_info()  # read by a child process
     assert info["torch"] == torch.__version__ and info["cuda"] == torch.version.cuda
     assert info["gpu_count"] == runtime.gpu_count() == len(info["gpus"])
-    assert set(info) == {"python", "torch", "cuda", "cudnn", "nccl", "cpu_count", "gpu_count",
-                         "gpus"}  # fmt: skip
+    assert set(info) == {
+        "python",
+        "torch",
+        "cuda",
+        "cudnn",
+        "nccl",
+        "cpu_count",
+        "gpu_count",
+        "gpus",
+    }
 
 
 @pytest.mark.parametrize(
@@ -76,13 +89,22 @@ def test_a_machine_without_gpus_has_no_folder_name():
 
 
 def rec(nodeid, when, outcome, seconds=1.0, detail="", skip_lines=()):
-    return {"nodeid": nodeid, "when": when, "outcome": outcome, "seconds": seconds,
-            "detail": detail, "skip_lines": list(skip_lines)}  # fmt: skip
+    return {
+        "nodeid": nodeid,
+        "when": when,
+        "outcome": outcome,
+        "seconds": seconds,
+        "detail": detail,
+        "skip_lines": list(skip_lines),
+    }
 
 
 def passed(nodeid, seconds=1.0, skip_lines=()):
-    return [rec(nodeid, "setup", "passed", seconds), rec(nodeid, "call", "passed", seconds,
-            skip_lines=skip_lines), rec(nodeid, "teardown", "passed", seconds)]  # fmt: skip
+    return [
+        rec(nodeid, "setup", "passed", seconds),
+        rec(nodeid, "call", "passed", seconds, skip_lines=skip_lines),
+        rec(nodeid, "teardown", "passed", seconds),
+    ]
 
 
 T = "tests/gpu/test_gpu.py::"
@@ -112,29 +134,75 @@ RECORDS = [
 ]
 EXPECTED = [
     {"check": T + "test_ok", "outcome": "passed", "seconds": 6.0, "skips": 0, "detail": ""},
-    {"check": T + "test_broken", "outcome": "failed", "seconds": 5.0, "skips": 0,
-     "detail": "AssertionError: 1 != 2"},
-    {"check": T + "test_bad_fixture", "outcome": "error", "seconds": 0.5, "skips": 0,
-     "detail": "RuntimeError: no port"},
-    {"check": T + "test_two_gpus", "outcome": "skipped", "seconds": 0.0, "skips": 0,
-     "detail": "needs 2 or more CUDA GPUs; 1 visible"},
-    {"check": "notebooks/05_ddp.ipynb", "outcome": "failed", "seconds": 12.0, "skips": 0,
-     "detail": "AssertionError: accuracy 0.1"},
-    {"check": "notebooks/12_debugging.ipynb", "outcome": "not started", "seconds": 0.0,
-     "skips": 0, "detail": NOT_STARTED},
-    {"check": "notebooks/11_multinode.ipynb", "outcome": "not finished", "seconds": 4.0,
-     "skips": 0, "detail": gpu_reports.NOT_FINISHED},
-    {"check": "notebooks/13_bad.ipynb", "outcome": "error", "seconds": 0.0, "skips": 0,
-     "detail": "ValueError: not a notebook"},
-    {"check": "notebooks/10_benchmarking.ipynb", "outcome": "skipped", "seconds": 9.0,
-     "skips": 3, "detail": "ran; 3 parts skipped: SKIPPED: needs 2 GPUs"},
-]  # fmt: skip
+    {
+        "check": T + "test_broken",
+        "outcome": "failed",
+        "seconds": 5.0,
+        "skips": 0,
+        "detail": "AssertionError: 1 != 2",
+    },
+    {
+        "check": T + "test_bad_fixture",
+        "outcome": "error",
+        "seconds": 0.5,
+        "skips": 0,
+        "detail": "RuntimeError: no port",
+    },
+    {
+        "check": T + "test_two_gpus",
+        "outcome": "skipped",
+        "seconds": 0.0,
+        "skips": 0,
+        "detail": "needs 2 or more CUDA GPUs; 1 visible",
+    },
+    {
+        "check": "notebooks/05_ddp.ipynb",
+        "outcome": "failed",
+        "seconds": 12.0,
+        "skips": 0,
+        "detail": "AssertionError: accuracy 0.1",
+    },
+    {
+        "check": "notebooks/12_debugging.ipynb",
+        "outcome": "not started",
+        "seconds": 0.0,
+        "skips": 0,
+        "detail": NOT_STARTED,
+    },
+    {
+        "check": "notebooks/11_multinode.ipynb",
+        "outcome": "not finished",
+        "seconds": 4.0,
+        "skips": 0,
+        "detail": gpu_reports.NOT_FINISHED,
+    },
+    {
+        "check": "notebooks/13_bad.ipynb",
+        "outcome": "error",
+        "seconds": 0.0,
+        "skips": 0,
+        "detail": "ValueError: not a notebook",
+    },
+    {
+        "check": "notebooks/10_benchmarking.ipynb",
+        "outcome": "skipped",
+        "seconds": 9.0,
+        "skips": 3,
+        "detail": "ran; 3 parts skipped: SKIPPED: needs 2 GPUs",
+    },
+]
 
 
 def test_reports_become_one_row_per_test_and_per_notebook():
     assert gpu_reports.collect_checks(RECORDS) == EXPECTED
-    assert gpu_reports.totals(EXPECTED) == {"failed": 2, "error": 2, "not finished": 1,
-                                          "passed": 1, "skipped": 2, "not started": 1}  # fmt: skip
+    assert gpu_reports.totals(EXPECTED) == {
+        "failed": 2,
+        "error": 2,
+        "not finished": 1,
+        "passed": 1,
+        "skipped": 2,
+        "not started": 1,
+    }
 
 
 def test_a_notebook_that_printed_skip_lines_is_skipped_not_passed():
@@ -147,15 +215,19 @@ def test_a_notebook_that_printed_skip_lines_is_skipped_not_passed():
 
 def test_skip_lines_are_read_from_a_cells_outputs():
     outputs = [
-        {"output_type": "stream", "name": "stdout",
-         "text": "GPUs: 1\nSKIPPED: needs 2 GPUs, this machine has 1.\n  skipped: nccl\n"},
+        {
+            "output_type": "stream",
+            "name": "stdout",
+            "text": "GPUs: 1\nSKIPPED: needs 2 GPUs, this machine has 1.\n  skipped: nccl\n",
+        },
         {"output_type": "execute_result", "data": {"text/plain": "'skipped: a value'"}},
         {"output_type": "stream", "name": "stdout", "text": ["not skipped: here\n"]},
         {"output_type": "display_data", "data": {"image/png": "..."}},
-    ]  # fmt: skip
+    ]
     assert gpu_reports.skip_lines(outputs) == [
-        "SKIPPED: needs 2 GPUs, this machine has 1.", "skipped: nccl"
-    ]  # fmt: skip
+        "SKIPPED: needs 2 GPUs, this machine has 1.",
+        "skipped: nccl",
+    ]
     assert gpu_reports.skip_lines(None) == []
 
 
@@ -203,11 +275,21 @@ def test_exit_status(rows, passes, status):
 
 
 def test_summary_json_and_table(tmp_path):
-    machine = {"torch": "2.13.0+cu130", "cuda": "13.0", "gpu_count": 1,
-               "gpus": [{"name": "NVIDIA H100 80GB HBM3", "memory_GiB": 79.2,
-                         "capability": "9.0"}]}  # fmt: skip
-    passes = [{"part": "A", "what": "tests/gpu/test_gpu.py", "returncode": 1, "seconds": 30.0,
-               "command": "python -m pytest tests/gpu/test_gpu.py"}]  # fmt: skip
+    machine = {
+        "torch": "2.13.0+cu130",
+        "cuda": "13.0",
+        "gpu_count": 1,
+        "gpus": [{"name": "NVIDIA H100 80GB HBM3", "memory_GiB": 79.2, "capability": "9.0"}],
+    }
+    passes = [
+        {
+            "part": "A",
+            "what": "tests/gpu/test_gpu.py",
+            "returncode": 1,
+            "seconds": 30.0,
+            "command": "python -m pytest tests/gpu/test_gpu.py",
+        }
+    ]
     checks = [{"part": "A" if c["check"].startswith("tests") else "B", **c} for c in EXPECTED]
     ws1 = {
         "part": "A",
@@ -217,21 +299,34 @@ def test_summary_json_and_table(tmp_path):
         "skips": 0,
         "detail": f"{gpu_plan.WORLD_SIZE_1}: busbw is 0 by definition",
     }
-    checks.append(ws1)  # fmt: skip
+    checks.append(ws1)
     path = gpu_summary.write_summary(
-        tmp_path / "gpu-x", command="python -m ddp_course gpu-check --budget-s 540",
-        budget_s=540, wall_s=61.26, machine=machine, passes=passes, checks=checks,
-        results=["b.json", "a.json"], utc="2026-11-23T09:00:00+00:00",
-    )  # fmt: skip
+        tmp_path / "gpu-x",
+        command="python -m ddp_course gpu-check --budget-s 540",
+        budget_s=540,
+        wall_s=61.26,
+        machine=machine,
+        passes=passes,
+        checks=checks,
+        results=["b.json", "a.json"],
+        utc="2026-11-23T09:00:00+00:00",
+    )
     assert path == tmp_path / "gpu-x" / "gpu_check.json"
     summary = json.loads(path.read_text())
     assert summary == {
         "command": "python -m ddp_course gpu-check --budget-s 540",
-        "utc": "2026-11-23T09:00:00+00:00", "budget_s": 540, "wall_s": 61.3, "gpus": 1,
-        "machine": machine, "plan": [], "passes": passes, "checks": checks,
-        "totals": gpu_reports.totals_by_part(checks), "results": ["a.json", "b.json"],
+        "utc": "2026-11-23T09:00:00+00:00",
+        "budget_s": 540,
+        "wall_s": 61.3,
+        "gpus": 1,
+        "machine": machine,
+        "plan": [],
+        "passes": passes,
+        "checks": checks,
+        "totals": gpu_reports.totals_by_part(checks),
+        "results": ["a.json", "b.json"],
         "world_size_1": {"paths": list(gpu_plan.WORLD_SIZE_1_PATHS), "tests": [ws1["check"]]},
-    }  # fmt: skip
+    }
     assert summary["totals"]["B"]["not finished"] == 1 and summary["totals"]["C"]["passed"] == 0
     table = gpu_summary.format_table(checks, 61.26).splitlines()
     width = max(len(c["check"]) for c in checks) + 2  # the longest name, two spaces
@@ -246,9 +341,15 @@ def test_summary_json_and_table(tmp_path):
     ]
     machine2 = {**machine, "gpu_count": 2}
     path = gpu_summary.write_summary(
-        tmp_path / "gpu-y", command="c", budget_s=1, wall_s=1, machine=machine2, passes=[],
-        checks=checks, results=[],
-    )  # fmt: skip
+        tmp_path / "gpu-y",
+        command="c",
+        budget_s=1,
+        wall_s=1,
+        machine=machine2,
+        passes=[],
+        checks=checks,
+        results=[],
+    )
     assert json.loads(path.read_text())["world_size_1"] is None
 
 
@@ -260,8 +361,12 @@ def test_world_size_1_records_say_so_in_their_names(tmp_path):
     (source / "09_fsdp.json").write_text('{"world_size": 2}')
     (source / "odd.json").write_text("[1, 2]")
     kept = gpu_summary.keep_results(source, folder)
-    assert kept == ["00_hello_ranks-world-size-1.json", "09_fsdp.json",
-                    "10_benchmark-world-size-1.json", "odd.json"]  # fmt: skip
+    assert kept == [
+        "00_hello_ranks-world-size-1.json",
+        "09_fsdp.json",
+        "10_benchmark-world-size-1.json",
+        "odd.json",
+    ]
     assert sorted(p.name for p in folder.iterdir()) == sorted(kept)
 
 
@@ -316,10 +421,16 @@ def _pytest_with_the_plugin(folder, deadline, *options):
     (folder / "test_sample.py").write_text(SAMPLE_TESTS)
     (folder / "test_syntax.py").write_text("def test_(:\n")
     reports = folder / "reports.jsonl"
-    args = [*gpu_reports.plugin_args(reports, deadline), *options, "-p", "no:cacheprovider",
-            "--continue-on-collection-errors"]  # fmt: skip
-    subprocess.run([sys.executable, "-m", "pytest", *args], cwd=folder, capture_output=True,
-                   timeout=300)  # fmt: skip
+    args = [
+        *gpu_reports.plugin_args(reports, deadline),
+        *options,
+        "-p",
+        "no:cacheprovider",
+        "--continue-on-collection-errors",
+    ]
+    subprocess.run(
+        [sys.executable, "-m", "pytest", *args], cwd=folder, capture_output=True, timeout=300
+    )
     records = gpu_reports.read_records(reports)
     return {c["check"]: c for c in gpu_reports.collect_checks(records)}, records
 
@@ -355,12 +466,21 @@ def write_notebook(path, seconds, source):
     """A notebook of one code cell whose recorded execution took ``seconds``."""
     start = datetime.datetime(2026, 11, 23, 12, 0, tzinfo=datetime.UTC)
     end = start + datetime.timedelta(seconds=seconds)
-    cell = {"cell_type": "code", "source": source, "outputs": [], "execution_count": 1,
-            "metadata": {"execution": {
+    cell = {
+        "cell_type": "code",
+        "source": source,
+        "outputs": [],
+        "execution_count": 1,
+        "metadata": {
+            "execution": {
                 "iopub.execute_input": start.isoformat().replace("+00:00", "Z"),
-                "shell.execute_reply": end.isoformat().replace("+00:00", "Z")}}}  # fmt: skip
-    path.write_text(json.dumps({"cells": [cell], "metadata": {}, "nbformat": 4,
-                                "nbformat_minor": 5}))  # fmt: skip
+                "shell.execute_reply": end.isoformat().replace("+00:00", "Z"),
+            }
+        },
+    }
+    path.write_text(
+        json.dumps({"cells": [cell], "metadata": {}, "nbformat": 4, "nbformat_minor": 5})
+    )
 
 
 GPU_TESTS = textwrap.dedent(
@@ -415,11 +535,14 @@ def course(tmp_path):
 def test_gpu_tests_are_counted_from_their_source_with_their_gpu_marks(course):
     files = course / "tests" / "gpu"
     assert [gpu_plan.count_gpu_tests(files / "test_gpu.py", n) for n in (1, 2, 4)] == [
-        (1, 6), (5, 6), (6, 6)
-    ]  # fmt: skip
+        (1, 6),
+        (5, 6),
+        (6, 6),
+    ]
     assert [gpu_plan.count_gpu_tests(files / "test_gpu_two.py", n) for n in (1, 2)] == [
-        (0, 1), (1, 1)
-    ]  # fmt: skip
+        (0, 1),
+        (1, 1),
+    ]
 
 
 def test_recorded_time_is_the_sum_of_the_cells_execution_stamps(course):
@@ -434,20 +557,25 @@ def test_the_plan_orders_a_then_b_cheapest_first_then_c(course):
     a, b, c = plan.part("A"), plan.part("B"), plan.part("C")
     start, test_s = gpu_plan.PYTEST_START_S, gpu_plan.GPU_TEST_S
     assert [(s.check, s.estimate_s) for s in a] == [
-        ("tests/gpu/test_gpu.py", start + test_s), ("tests/gpu/test_gpu_two.py", start)
-    ]  # fmt: skip
+        ("tests/gpu/test_gpu.py", start + test_s),
+        ("tests/gpu/test_gpu_two.py", start),
+    ]
     # A CUDA path with one GPU: a plain run and torch.cuda in the kernel; cheapest first.
     assert [s.check for s in b] == ["notebooks/01_cuda.ipynb", "notebooks/00_plain.ipynb"]
     assert b[1].estimate_s == 40 * gpu_plan.MARGIN + gpu_plan.NOTEBOOK_START_S
     assert [s.check for s in c] == [
-        "notebooks/04_cpu.ipynb", "notebooks/03_nodes.ipynb", "notebooks/02_two_ranks.ipynb"
-    ]  # fmt: skip
+        "notebooks/04_cpu.ipynb",
+        "notebooks/03_nodes.ipynb",
+        "notebooks/02_two_ranks.ipynb",
+    ]
     assert [s.part for s in plan.steps] == ["A", "A", "B", "B", "C", "C", "C"]
     # Two GPUs give the 2-rank notebook a CUDA path; simulated nodes and gpus=0 never.
     two = gpu_plan.make_plan(2, 1000, root=course)
     assert [s.check for s in two.part("B")][-1] == "notebooks/02_two_ranks.ipynb"
-    assert {s.check for s in two.part("C")} == {"notebooks/04_cpu.ipynb",
-                                                "notebooks/03_nodes.ipynb"}  # fmt: skip
+    assert {s.check for s in two.part("C")} == {
+        "notebooks/04_cpu.ipynb",
+        "notebooks/03_nodes.ipynb",
+    }
 
 
 def test_what_does_not_fit_the_budget_is_planned_not_started(course):
@@ -519,9 +647,13 @@ def test_make_has_a_spelling_for_the_dry_run(root):
     assert "-m ddp_course gpu-check --dry-run $(ARGS)" in recipe.splitlines()[1]
     # Under `make test` the outer make's flags reach this one and would add its
     # "Entering directory" lines.
-    done = subprocess.run(["make", "--no-print-directory", "-n", "gpu-check-plan",
-                           "ARGS=--gpus 2"], cwd=root, capture_output=True, text=True,
-                          timeout=60)  # fmt: skip
+    done = subprocess.run(
+        ["make", "--no-print-directory", "-n", "gpu-check-plan", "ARGS=--gpus 2"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.stdout.strip().endswith("-m ddp_course gpu-check --dry-run --gpus 2")
 
 
@@ -539,8 +671,9 @@ class Clock:
 
 
 def plan_of(budget, *steps, run_all=False, gpus=1):
-    return gpu_plan.Plan(gpus, budget, tuple(gpu_plan.Step(p, c, e, "", True) for p, c, e in steps),
-                         run_all)  # fmt: skip
+    return gpu_plan.Plan(
+        gpus, budget, tuple(gpu_plan.Step(p, c, e, "", True) for p, c, e in steps), run_all
+    )
 
 
 def fake_run(monkeypatch, tmp_path, plan, outcomes, gpus=1):
@@ -551,8 +684,12 @@ def fake_run(monkeypatch, tmp_path, plan, outcomes, gpus=1):
     monkeypatch.setattr(gpu_check, "time", clock)
     monkeypatch.setattr(runtime, "gpu_count", lambda: gpus)
     monkeypatch.setattr(gpu_check, "make_plan", lambda *a, **k: plan)
-    machine = {"torch": "2.13.0+cu130", "cuda": "13.0", "gpu_count": gpus,
-               "gpus": [{"name": "NVIDIA H100 80GB HBM3"}] * gpus}  # fmt: skip
+    machine = {
+        "torch": "2.13.0+cu130",
+        "cuda": "13.0",
+        "gpu_count": gpus,
+        "gpus": [{"name": "NVIDIA H100 80GB HBM3"}] * gpus,
+    }
     monkeypatch.setattr(gpu_check, "machine_info", lambda: machine)
     estimates = {s.check: s.estimate_s for s in plan.steps}
     seen = []
@@ -562,8 +699,11 @@ def fake_run(monkeypatch, tmp_path, plan, outcomes, gpus=1):
         seen.append((check, args, timeout_s))
         records, code, seconds = outcomes.get(check, (None, 0, None))
         if records is None:
-            records = passed(f"{check}::Cell 0") if check.endswith(".ipynb") else passed(
-                f"{check}::test_x")  # fmt: skip
+            records = (
+                passed(f"{check}::Cell 0")
+                if check.endswith(".ipynb")
+                else passed(f"{check}::test_x")
+            )
         reports = next(a.split("=", 1)[1] for a in args if a.startswith("--gpu-check-reports="))
         with open(reports, "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)
@@ -582,16 +722,21 @@ def outcome_of(summary):
 def test_a_then_b_one_at_a_time_each_only_if_it_fits_and_c_listed(monkeypatch, tmp_path):
     plan = plan_of(
         300,
-        ("A", "tests/gpu/test_gpu.py", 100), ("A", "tests/gpu/test_gpu_lesson03.py", 50),
-        ("B", "notebooks/02_dp.ipynb", 60), ("B", "notebooks/05_ddp.ipynb", 80),
-        ("B", "notebooks/06_samplers.ipynb", 120), ("C", "notebooks/08_pp.ipynb", 70),
-    )  # fmt: skip
+        ("A", "tests/gpu/test_gpu.py", 100),
+        ("A", "tests/gpu/test_gpu_lesson03.py", 50),
+        ("B", "notebooks/02_dp.ipynb", 60),
+        ("B", "notebooks/05_ddp.ipynb", 80),
+        ("B", "notebooks/06_samplers.ipynb", 120),
+        ("C", "notebooks/08_pp.ipynb", 70),
+    )
     # The first A file takes longer than estimated: 05 no longer fits the time left.
     outcomes = {"tests/gpu/test_gpu.py": (None, 0, 130)}
     status, seen, summary = fake_run(monkeypatch, tmp_path, plan, outcomes)
     assert [check for check, _, _ in seen] == [
-        "tests/gpu/test_gpu.py", "tests/gpu/test_gpu_lesson03.py", "notebooks/02_dp.ipynb"
-    ]  # fmt: skip
+        "tests/gpu/test_gpu.py",
+        "tests/gpu/test_gpu_lesson03.py",
+        "notebooks/02_dp.ipynb",
+    ]
     for _, args, timeout_s in seen:
         assert "-n" not in args and args.count(args[-1]) == 1  # one check a pass, no xdist
         assert 0 < timeout_s <= 300 + gpu_plan.GRACE_S
@@ -611,11 +756,19 @@ def test_a_then_b_one_at_a_time_each_only_if_it_fits_and_c_listed(monkeypatch, t
 
 def test_everything_of_a_and_b_passing_is_exit_0_and_c_runs_in_time_left(monkeypatch, tmp_path):
     plan = plan_of(
-        300, ("A", "tests/gpu/test_gpu.py", 100), ("B", "notebooks/02_dp.ipynb", 60),
-        ("C", "notebooks/08_pp.ipynb", 50), ("C", "notebooks/09_zero.ipynb", 200),
-    )  # fmt: skip
-    outcomes = {"notebooks/08_pp.ipynb": ([rec("notebooks/08_pp.ipynb::Cell 0", "call",
-                                               "failed", 1.0, "boom")], 1, None)}  # fmt: skip
+        300,
+        ("A", "tests/gpu/test_gpu.py", 100),
+        ("B", "notebooks/02_dp.ipynb", 60),
+        ("C", "notebooks/08_pp.ipynb", 50),
+        ("C", "notebooks/09_zero.ipynb", 200),
+    )
+    outcomes = {
+        "notebooks/08_pp.ipynb": (
+            [rec("notebooks/08_pp.ipynb::Cell 0", "call", "failed", 1.0, "boom")],
+            1,
+            None,
+        )
+    }
     status, seen, summary = fake_run(monkeypatch, tmp_path, plan, outcomes)
     assert [check for check, _, _ in seen][-1] == "notebooks/08_pp.ipynb"
     assert outcome_of(summary)["notebooks/08_pp.ipynb"] == ("C", "failed")
@@ -625,8 +778,10 @@ def test_everything_of_a_and_b_passing_is_exit_0_and_c_runs_in_time_left(monkeyp
 
 def test_a_check_cut_off_at_the_limit_is_not_finished_never_failed(monkeypatch, tmp_path):
     plan = plan_of(100, ("A", "tests/gpu/test_gpu.py", 50), ("B", "notebooks/11_mn.ipynb", 40))
-    cut = [*passed("notebooks/11_mn.ipynb::Cell 0"),
-           rec("notebooks/11_mn.ipynb::Cell 1", "setup", "passed")]  # fmt: skip
+    cut = [
+        *passed("notebooks/11_mn.ipynb::Cell 0"),
+        rec("notebooks/11_mn.ipynb::Cell 1", "setup", "passed"),
+    ]
     outcomes = {"notebooks/11_mn.ipynb": (cut, gpu_summary.KILLED, 110)}
     status, _, summary = fake_run(monkeypatch, tmp_path, plan, outcomes)
     assert outcome_of(summary)["notebooks/11_mn.ipynb"] == ("B", "not finished")
@@ -687,8 +842,16 @@ def test_gpu_check_prints_the_plan_first_and_keeps_what_the_tests_wrote(
     monkeypatch.setattr(gpu_check, "time", clock)
     monkeypatch.setattr(runtime, "gpu_count", lambda: 1)
     monkeypatch.setattr(gpu_check, "make_plan", lambda *a, **k: plan)
-    monkeypatch.setattr(gpu_check, "machine_info", lambda: {"torch": "t", "cuda": "c",
-                        "gpu_count": 1, "gpus": [{"name": "NVIDIA H100 80GB HBM3"}]})  # fmt: skip
+    monkeypatch.setattr(
+        gpu_check,
+        "machine_info",
+        lambda: {
+            "torch": "t",
+            "cuda": "c",
+            "gpu_count": 1,
+            "gpus": [{"name": "NVIDIA H100 80GB HBM3"}],
+        },
+    )
     gpu_check.gpu_check(out=out, runner=write_result, command="c")
     assert all(runtime.DEVICE_ENV not in env and env[RESULTS_ENV] for env in envs)
     summary = json.loads((out / "gpu_check.json").read_text())
@@ -704,17 +867,40 @@ def test_nbval_reports_carry_the_skip_lines_a_notebook_printed(tmp_path):
     # A real nbval run of a small notebook with the plugin: the skip line a cell printed
     # reaches the notebook's row, which is then skipped, not passed.
     cells = ["print('GPUs: 1')", "print('SKIPPED: needs 2 GPUs, this machine has 1')"]
-    nb = {"cells": [{"cell_type": "code", "metadata": {}, "source": c, "outputs": [],
-                     "execution_count": None} for c in cells],
-          "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3",
-                                      "language": "python"}},
-          "nbformat": 4, "nbformat_minor": 5}  # fmt: skip
+    nb = {
+        "cells": [
+            {
+                "cell_type": "code",
+                "metadata": {},
+                "source": c,
+                "outputs": [],
+                "execution_count": None,
+            }
+            for c in cells
+        ],
+        "metadata": {
+            "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}
+        },
+        "nbformat": 4,
+        "nbformat_minor": 5,
+    }
     (tmp_path / "10_x.ipynb").write_text(json.dumps(nb))
     reports = tmp_path / "reports.jsonl"
-    args = [*gpu_reports.plugin_args(reports, time.time() + 600), "--nbval-lax",
-            "--nbval-current-env", "-p", "no:cacheprovider", "10_x.ipynb"]  # fmt: skip
-    done = subprocess.run([sys.executable, "-m", "pytest", *args], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    args = [
+        *gpu_reports.plugin_args(reports, time.time() + 600),
+        "--nbval-lax",
+        "--nbval-current-env",
+        "-p",
+        "no:cacheprovider",
+        "10_x.ipynb",
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-2000:]
     (row,) = gpu_reports.collect_checks(gpu_reports.read_records(reports))
     assert (row["check"], row["outcome"], row["skips"]) == ("10_x.ipynb", "skipped", 1)
@@ -738,10 +924,21 @@ def test_on_one_gpu_the_gpu_tests_name_the_nccl_paths_world_size_1_cannot_show(r
     marked = source.count("@world_size_1(")
     assert marked >= 5
     reports = tmp_path / "reports.jsonl"
-    args = [*gpu_reports.plugin_args(reports, time.time() + 600), "-p", "no:cacheprovider",
-            "tests/gpu/test_gpu.py", "-k", "several or between or fewer"]  # fmt: skip
-    done = subprocess.run([sys.executable, "-c", ONE_GPU, *args], cwd=root,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    args = [
+        *gpu_reports.plugin_args(reports, time.time() + 600),
+        "-p",
+        "no:cacheprovider",
+        "tests/gpu/test_gpu.py",
+        "-k",
+        "several or between or fewer",
+    ]
+    done = subprocess.run(
+        [sys.executable, "-c", ONE_GPU, *args],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-2000:]
     records = gpu_reports.read_records(reports)
     checks = [{"part": "A", **c} for c in gpu_reports.collect_checks(records)]
@@ -760,13 +957,16 @@ def test_on_one_gpu_the_gpu_tests_name_the_nccl_paths_world_size_1_cannot_show(r
 
 def test_a_gpu_test_file_starts_past_its_estimate_but_not_past_the_budget(monkeypatch, tmp_path):
     plan = plan_of(
-        100, ("A", "tests/gpu/test_gpu.py", 50), ("A", "tests/gpu/test_gpu_lesson03.py", 60),
+        100,
+        ("A", "tests/gpu/test_gpu.py", 50),
+        ("A", "tests/gpu/test_gpu_lesson03.py", 60),
         ("A", "tests/gpu/test_gpu_lesson15.py", 10),
-    )  # fmt: skip
+    )
     outcomes = {"tests/gpu/test_gpu_lesson03.py": (None, 0, 70)}  # ends at 120 s
     status, seen, summary = fake_run(monkeypatch, tmp_path, plan, outcomes)
     assert [check for check, _, _ in seen] == [
-        "tests/gpu/test_gpu.py", "tests/gpu/test_gpu_lesson03.py"
-    ]  # fmt: skip
+        "tests/gpu/test_gpu.py",
+        "tests/gpu/test_gpu_lesson03.py",
+    ]
     assert outcome_of(summary)["tests/gpu/test_gpu_lesson15.py"] == ("A", "not started")
     assert status == gpu_summary.EXIT_NOT_FINISHED

@@ -48,9 +48,11 @@ def _free_port() -> int:
 
 def _api(url, token, method="GET", body=None):
     request = urllib.request.Request(
-        url, method=method, data=None if body is None else json.dumps(body).encode(),
+        url,
+        method=method,
+        data=None if body is None else json.dumps(body).encode(),
         headers={"Authorization": f"token {token}", "Content-Type": "application/json"},
-    )  # fmt: skip
+    )
     with urllib.request.urlopen(request, timeout=10) as response:
         text = response.read().decode()
     return json.loads(text) if text else None
@@ -88,10 +90,22 @@ def _start_lab(tmp_path, stdout=subprocess.PIPE):
     env["PATH"] = os.pathsep.join(path)
     env["JUPYTER_CONFIG_DIR"] = str(tmp_path / "config")  # the user's settings stay out
     process = subprocess.Popen(
-        [sys.executable, "-m", "ddp_course", "lab", "--no-browser", f"--port={port}",
-         "--ip=127.0.0.1", f"--IdentityProvider.token={token}"],
-        cwd=tmp_path, env=env, stdout=stdout, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "ddp_course",
+            "lab",
+            "--no-browser",
+            f"--port={port}",
+            "--ip=127.0.0.1",
+            f"--IdentityProvider.token={token}",
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=stdout,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 90
     while True:

@@ -35,8 +35,9 @@ def test_success_returns_results_and_every_rank_log(workers, capsys):
 def test_failure_names_the_failing_rank_and_leaves_nothing_behind(workers):
     start = time.perf_counter()
     with pytest.raises(launch.LaunchError) as info:
-        launch.torchrun(workers / "fail_or_hang.py", ["--fail-rank", "1"], nproc=2,
-                        timeout_s=120, echo=False)  # fmt: skip
+        launch.torchrun(
+            workers / "fail_or_hang.py", ["--fail-rank", "1"], nproc=2, timeout_s=120, echo=False
+        )
     assert time.perf_counter() - start < 120
     error = info.value
     assert not isinstance(error, launch.LaunchTimeout)
@@ -53,8 +54,7 @@ def test_timeout_kills_every_rank(workers):
     with pytest.raises(launch.LaunchTimeout, match="timeout") as caught:
         # Both ranks must have imported torch and met before the timeout, also
         # while another test loads the cores (12 s was too short at load 15).
-        launch.torchrun(workers / "fail_or_hang.py", ["--hang"], nproc=2, timeout_s=25,
-                        echo=False)  # fmt: skip
+        launch.torchrun(workers / "fail_or_hang.py", ["--hang"], nproc=2, timeout_s=25, echo=False)
     assert time.perf_counter() - start < 25 + 30
     time.sleep(0.5)
     assert _alive("fail_or_hang.py") == []
@@ -125,10 +125,17 @@ def test_a_single_node_job_listens_on_loopback_only(workers, tmp_path):
     ready = tmp_path / "ready"
     ready.mkdir()
     job = {}
-    run = threading.Thread(target=lambda: job.update(result=launch.torchrun(
-        workers / "launch_sleep.py", ["--sleep", "5", "--ready-dir", str(ready)], nproc=2,
-        timeout_s=120, echo=False,
-    )))  # fmt: skip
+    run = threading.Thread(
+        target=lambda: job.update(
+            result=launch.torchrun(
+                workers / "launch_sleep.py",
+                ["--sleep", "5", "--ready-dir", str(ready)],
+                nproc=2,
+                timeout_s=120,
+                echo=False,
+            )
+        )
+    )
     run.start()
     deadline = time.monotonic() + 100
     while len(list(ready.iterdir())) < 2 and run.is_alive() and time.monotonic() < deadline:
@@ -153,8 +160,9 @@ def test_nothing_is_left_in_the_temporary_directory(workers, tmp_path, monkeypat
     system_tmp.mkdir()
     monkeypatch.setenv("TMPDIR", str(system_tmp))  # for torchrun's agent and the workers
     monkeypatch.setattr(tempfile, "tempdir", str(system_tmp))  # for the launcher
-    job = launch.torchrun(workers / "launch_sleep.py", nproc=1, timeout_s=120, echo=False,
-                          results=True)  # fmt: skip
+    job = launch.torchrun(
+        workers / "launch_sleep.py", nproc=1, timeout_s=120, echo=False, results=True
+    )
     assert list(system_tmp.iterdir()) == []
     # gloo is pinned to the loopback interface too (here it would pick 127.0.0.1
     # anyway, since this machine's hostname resolves there; not on every laptop).
@@ -162,8 +170,14 @@ def test_nothing_is_left_in_the_temporary_directory(workers, tmp_path, monkeypat
 
 
 def test_restarts_still_rendezvous_on_loopback(workers):
-    job = launch.torchrun(workers / "launch_restart.py", nproc=2, results=True, timeout_s=180,
-                          echo=False, extra_torchrun_args=["--max-restarts=1"])  # fmt: skip
+    job = launch.torchrun(
+        workers / "launch_restart.py",
+        nproc=2,
+        results=True,
+        timeout_s=180,
+        echo=False,
+        extra_torchrun_args=["--max-restarts=1"],
+    )
     assert {k: v for k, v in job.results.items() if k != "meta"} == {
         "attempt": 1,
         "sum_of_ranks_plus_one": 3.0,
@@ -199,8 +213,13 @@ def test_a_device_the_caller_sets_is_shown_in_the_command(tmp_path, monkeypatch,
 
 
 def test_torchrun_announcement_hides_the_launchers_own_flags(workers, capsys):
-    launch.torchrun(workers / "launch_sleep.py", nproc=2, timeout_s=120, echo=False,
-                    extra_torchrun_args=["--max-restarts=0"])  # fmt: skip
+    launch.torchrun(
+        workers / "launch_sleep.py",
+        nproc=2,
+        timeout_s=120,
+        echo=False,
+        extra_torchrun_args=["--max-restarts=0"],
+    )
     lines = capsys.readouterr().out.splitlines()
     assert re.fullmatch(
         r"\$ torchrun --nproc_per_node=2 --max-restarts=0 (\S+/)?launch_sleep\.py", lines[0]
@@ -221,8 +240,9 @@ def test_a_silent_job_says_it_is_still_running(tmp_path, monkeypatch, capsys):
     assert lines[0] == "$ python slow.py"
     assert re.fullmatch(r"slow\.py finished in \d+\.\d s", lines[-1])
     beats = lines[1:-1]
-    assert len(beats) >= 2 and all(re.fullmatch(r"  \.\.\. slow\.py still running, \d+ s", b)
-                                   for b in beats)  # fmt: skip
+    assert len(beats) >= 2 and all(
+        re.fullmatch(r"  \.\.\. slow\.py still running, \d+ s", b) for b in beats
+    )
     assert "never shown" not in "\n".join(lines)
 
 

@@ -17,8 +17,7 @@ needs_proc = pytest.mark.skipif(
 
 @needs_proc
 @pytest.mark.listens_everywhere("opens an all-interfaces socket to see it found")
-@pytest.mark.parametrize(("host", "family"), [("0.0.0.0", socket.AF_INET),
-                                             ("::", socket.AF_INET6)])  # fmt: skip
+@pytest.mark.parametrize(("host", "family"), [("0.0.0.0", socket.AF_INET), ("::", socket.AF_INET6)])
 def test_a_listener_on_every_interface_is_found_with_its_process(host, family):
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))

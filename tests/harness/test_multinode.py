@@ -26,8 +26,13 @@ def test_a_node_that_never_joins_times_out_and_says_so(workers):
     # Two nodes announced, one started: the rendezvous cannot complete.
     start = time.perf_counter()
     with pytest.raises(launch.LaunchTimeout) as caught:
-        multinode.torchrun_nodes(workers / "fail_or_hang.py", nodes=[multinode.Node(1, 0)],
-                                 nnodes="2", timeout_s=8, echo=False)  # fmt: skip
+        multinode.torchrun_nodes(
+            workers / "fail_or_hang.py",
+            nodes=[multinode.Node(1, 0)],
+            nnodes="2",
+            timeout_s=8,
+            echo=False,
+        )
     assert time.perf_counter() - start < 8 + 20
     message = str(caught.value)
     assert "never started workers" in message and "--rdzv-endpoint" in message
@@ -37,8 +42,9 @@ def test_a_node_that_never_joins_times_out_and_says_so(workers):
 
 def test_a_failing_rank_is_named_with_its_node(workers):
     with pytest.raises(launch.LaunchError) as caught:
-        multinode.torchrun_nodes(workers / "fail_or_hang.py", ["--fail-rank", "1"],
-                                 timeout_s=120, echo=False)  # fmt: skip
+        multinode.torchrun_nodes(
+            workers / "fail_or_hang.py", ["--fail-rank", "1"], timeout_s=120, echo=False
+        )
     error = caught.value
     assert not isinstance(error, launch.LaunchTimeout)
     assert error.rank == 1 and "failed on rank 1" in str(error)
@@ -116,15 +122,20 @@ def test_simulated_nodes_refuse_cuda_and_accept_cpu_from_the_caller(monkeypatch,
 @pytest.mark.parametrize("echo", [True, False])
 def test_simulated_nodes_say_why_they_run_on_cpu_once(monkeypatch, workers, capsys, echo):
     _planned_envs(monkeypatch, workers, 2, None, echo=echo)
-    said = [line for line in capsys.readouterr().out.splitlines()
-            if multinode.SIMULATED_NODES_REASON in line]  # fmt: skip
+    said = [
+        line
+        for line in capsys.readouterr().out.splitlines()
+        if multinode.SIMULATED_NODES_REASON in line
+    ]
     expected = "2 simulated nodes: running on CPU with gloo because " + (
-        multinode.SIMULATED_NODES_REASON)  # fmt: skip
+        multinode.SIMULATED_NODES_REASON
+    )
     assert said == ([expected] if echo else [])
 
 
-needs_netns = pytest.mark.skipif(netns.unavailable() is not None,
-                                 reason=f"network namespaces: {netns.unavailable()}")  # fmt: skip
+needs_netns = pytest.mark.skipif(
+    netns.unavailable() is not None, reason=f"network namespaces: {netns.unavailable()}"
+)
 
 
 @needs_netns
@@ -138,24 +149,37 @@ def test_namespaces_are_removed_even_when_the_body_raises():
     assert not set(names) & set(netns.list_namespaces())
 
 
-@pytest.mark.skipif("DDP_COURSE_RESTART_LOOP" not in os.environ,
-                    reason="minutes: run by hand with DDP_COURSE_RESTART_LOOP=N")  # fmt: skip
+@pytest.mark.skipif(
+    "DDP_COURSE_RESTART_LOOP" not in os.environ,
+    reason="minutes: run by hand with DDP_COURSE_RESTART_LOOP=N",
+)
 def test_restart_loop(root, tmp_path):
     """N restarts of a killed worker (two ranks, --max-restarts=1, c10d on
     loopback); each must resume and end with the uninterrupted run's parameters."""
     n = int(os.environ["DDP_COURSE_RESTART_LOOP"])
     script, args = root / "scripts" / "11_train.py", ["--epochs", "2"]
-    ref = launch.torchrun(script, [*args, "--checkpoint", str(tmp_path / "ref.pt")],
-                          results=True, echo=False).results  # fmt: skip
+    ref = launch.torchrun(
+        script, [*args, "--checkpoint", str(tmp_path / "ref.pt")], results=True, echo=False
+    ).results
     outcomes = []
     for i in range(n):
         try:
             r = launch.torchrun(
                 script,
-                [*args, "--checkpoint", str(tmp_path / f"k{i}.pt"), "--die-at-step", "70",
-                 "--die-rank", "1"],
-                results=True, echo=False, timeout_s=240, extra_torchrun_args=["--max-restarts=1"],
-            ).results  # fmt: skip
+                [
+                    *args,
+                    "--checkpoint",
+                    str(tmp_path / f"k{i}.pt"),
+                    "--die-at-step",
+                    "70",
+                    "--die-rank",
+                    "1",
+                ],
+                results=True,
+                echo=False,
+                timeout_s=240,
+                extra_torchrun_args=["--max-restarts=1"],
+            ).results
             ok = r["restart_count"] == 1 and r["parameters_sha256"] == ref["parameters_sha256"]
             outcomes.append("ok" if ok else "different parameters")
         except launch.LaunchError as exc:

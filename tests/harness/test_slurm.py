@@ -44,8 +44,11 @@ def cluster():
     # After the context: no daemon or job step of this cluster runs and its files are gone.
     assert local.leftover_processes() == []
     assert not local.root.exists()
-    late = [p for p in psutil.process_iter(["name", "pid", "create_time"])
-            if p.info["name"] in DAEMONS and p.info["create_time"] >= started]  # fmt: skip
+    late = [
+        p
+        for p in psutil.process_iter(["name", "pid", "create_time"])
+        if p.info["name"] in DAEMONS and p.info["create_time"] >= started
+    ]
     # A job step forked while slurmd stopped may still be exiting (seen once): it
     # must be gone within seconds, not left running.
     _, alive = psutil.wait_procs(late, timeout=10)
@@ -109,8 +112,9 @@ def _sbatch_device_rule(gpus: int | None, nproc: int | None) -> tuple[str, int]:
         env["SLURM_GPUS_ON_NODE"] = str(gpus)
     if nproc is not None:
         env["NPROC_PER_NODE"] = str(nproc)
-    out = subprocess.run(["bash", "-euc", snippet], env=env, capture_output=True, text=True,
-                         timeout=10, check=True).stdout.split()  # fmt: skip
+    out = subprocess.run(
+        ["bash", "-euc", snippet], env=env, capture_output=True, text=True, timeout=10, check=True
+    ).stdout.split()
     return out[0], int(out[1])
 
 
@@ -137,6 +141,7 @@ def test_the_sbatch_threads_per_rank_share_the_task_cpus(cpus, nproc, preset, th
         env["SLURM_CPUS_PER_TASK"] = str(cpus)
     if preset is not None:
         env["OMP_NUM_THREADS"] = preset
-    out = subprocess.run(["bash", "-euc", snippet], env=env, capture_output=True, text=True,
-                         timeout=10, check=True).stdout  # fmt: skip
+    out = subprocess.run(
+        ["bash", "-euc", snippet], env=env, capture_output=True, text=True, timeout=10, check=True
+    ).stdout
     assert int(out) == threads

@@ -33,9 +33,15 @@ def brief(calls, *keys):
 
 def test_each_torch_distributed_function_is_one_record_of_known_size(ranks):
     for r in ranks:
-        expect = {"all_reduce": 192, "all_gather": 192 * N, "reduce_scatter": 192 * N,
-                  "broadcast": 192, "all_to_all": (r["rank"] + 1) * N * 16,
-                  "scatter": 192 * N, "gather": 192 * N}  # fmt: skip
+        expect = {
+            "all_reduce": 192,
+            "all_gather": 192 * N,
+            "reduce_scatter": 192 * N,
+            "broadcast": 192,
+            "all_to_all": (r["rank"] + 1) * N * 16,
+            "scatter": 192 * N,
+            "gather": 192 * N,
+        }
         for op, nbytes in expect.items():
             assert brief(phase(r, op), "op", "path", "bytes", "group_size", "dims") == [
                 (op, "c10d", nbytes, N, "dp+tp")  # the whole job: every mesh dimension
@@ -56,8 +62,10 @@ def test_ring_bytes_follow_the_busbw_factors(ranks):
 
 def test_batch_isend_irecv_is_a_send_and_a_receive(ranks):
     for r in ranks:
-        assert brief(phase(r, "p2p"), "op", "bytes", "sent") == [("send", 192, 192),
-                                                                 ("recv", 192, 0)]  # fmt: skip
+        assert brief(phase(r, "p2p"), "op", "bytes", "sent") == [
+            ("send", 192, 192),
+            ("recv", 192, 0),
+        ]
 
 
 def test_functional_collectives_are_logged_with_their_group(ranks):
@@ -88,8 +96,10 @@ def test_fsdp2_is_seen_unit_by_unit(ranks):
         scatters = [c["bytes"] for c in calls if c["op"] == "reduce_scatter"]
         assert gathers == units + units[::-1] and scatters == units[::-1]
         assert {c["dims"] for c in calls} == {"dp"}
-        assert r["fsdp_comm_debug"] == {"c10d._allgather_base_": len(gathers),
-                                        "c10d._reduce_scatter_base_": len(scatters)}  # fmt: skip
+        assert r["fsdp_comm_debug"] == {
+            "c10d._allgather_base_": len(gathers),
+            "c10d._reduce_scatter_base_": len(scatters),
+        }
 
 
 def test_dtensor_collectives_match_comm_debug_mode(ranks):

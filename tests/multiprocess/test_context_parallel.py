@@ -15,8 +15,16 @@ import worker_jobs
 from ddp_course import context_parallel as cp
 
 BATCH, HEADS, T_LOCAL, HEAD_DIM = 2, 12, 6, 4
-ARGS = ["--batch-size", str(BATCH), "--n-heads", str(HEADS), "--t-local", str(T_LOCAL),
-        "--head-dim", str(HEAD_DIM)]  # fmt: skip
+ARGS = [
+    "--batch-size",
+    str(BATCH),
+    "--n-heads",
+    str(HEADS),
+    "--t-local",
+    str(T_LOCAL),
+    "--head-dim",
+    str(HEAD_DIM),
+]
 
 
 @pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"{n}ranks")
@@ -93,14 +101,18 @@ def test_backward_bytes_match_the_formulas(job):
         # K and V pass P-1 times, their accumulators P times (the last hop brings them home).
         for layout in ("ring contiguous", "ring zigzag"):
             assert c[layout]["backward_bytes"] == {
-                "p2p": cp.ring_backward_bytes(shape, 4, n), "all_to_all": 0}  # fmt: skip
+                "p2p": cp.ring_backward_bytes(shape, 4, n),
+                "all_to_all": 0,
+            }
         assert cp.ring_backward_bytes(shape, 4, n) == (4 * n - 2) * math.prod(shape) * 4
         # bfloat16 inputs: K, V travel in 2 bytes, the float32 accumulators in 4.
         assert c["ring bfloat16"]["bytes"]["p2p"] == cp.ring_attention_bytes(shape, 2, n)
         assert c["ring bfloat16"]["backward_bytes"]["p2p"] == cp.ring_backward_bytes(shape, 2, n, 4)
         # Ulysses: the four all-to-alls again, reversed.
         assert c["ulysses"]["backward_bytes"] == {
-            "p2p": 0, "all_to_all": cp.ulysses_backward_bytes(shape, 4, n)}  # fmt: skip
+            "p2p": 0,
+            "all_to_all": cp.ulysses_backward_bytes(shape, 4, n),
+        }
         assert cp.ulysses_backward_bytes(shape, 4, n) == cp.ulysses_bytes(shape, 4, n)
 
 

@@ -25,8 +25,14 @@ TRAINABLE = 9  # Net's parameters that get gradients: tied weight once, frozen l
 @pytest.fixture(scope="module", params=[3])
 def job(request):
     nproc = request.param
-    run = launch.torchrun(WORKERS / "ddp_internals_equivalence.py", ["--steps", "3"],
-                          nproc=nproc, results=True, echo=False, timeout_s=240)  # fmt: skip
+    run = launch.torchrun(
+        WORKERS / "ddp_internals_equivalence.py",
+        ["--steps", "3"],
+        nproc=nproc,
+        results=True,
+        echo=False,
+        timeout_s=240,
+    )
     return nproc, run.results["per_rank"]
 
 
@@ -55,8 +61,17 @@ def test_bucket_caps_tied_and_frozen(job):
         assert [len(b) for b in per_param] == [1] * TRAINABLE
         names = [n for b in per_param for n in b]
         # reverse registration order; tied b.weight counted once as a.weight; frozen skipped
-        assert names == ["head.bias", "head.weight", "sometimes.bias", "sometimes.weight",
-                         "b.bias", "a.bias", "a.weight", "inp.bias", "inp.weight"]  # fmt: skip
+        assert names == [
+            "head.bias",
+            "head.weight",
+            "sometimes.bias",
+            "sometimes.weight",
+            "b.bias",
+            "a.bias",
+            "a.weight",
+            "inp.bias",
+            "inp.weight",
+        ]
 
 
 def test_all_reduce_calls_per_step_equal_buckets(job):
@@ -138,11 +153,16 @@ def test_layer_unused_on_some_ranks_counts_as_zero_like_torch():
     # find_unused_parameters=True, a layer used by rank 0 only in step 1: rank
     # 1's slot must count as zero in the average (torch's DDP does so); a slot
     # left holding step 0's gradient would pass every other test here.
-    run = launch.torchrun(WORKERS / "ddp_unused_on_some_ranks.py", nproc=2, results=True,
-                          echo=False, timeout_s=240)  # fmt: skip
+    run = launch.torchrun(
+        WORKERS / "ddp_unused_on_some_ranks.py", nproc=2, results=True, echo=False, timeout_s=240
+    )
     for rank, steps in enumerate(run.results["per_rank"]):
-        assert [s["uses"] for s in steps] == [[True, True], [True, False], [False, False],
-                                              [True, True]]  # fmt: skip
+        assert [s["uses"] for s in steps] == [
+            [True, True],
+            [True, False],
+            [False, False],
+            [True, True],
+        ]
         # Step 1 is the case: a gradient of the layer exists, from rank 0 only.
         assert steps[1]["extra_grad_norm"] > 0
         for i, step in enumerate(steps):

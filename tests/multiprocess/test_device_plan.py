@@ -144,9 +144,13 @@ def test_launcher_falls_back_to_cpu_and_the_workers_follow(workers, capsys, laun
     # across devices).
     ranks = {"nproc": 2} if launcher == "torchrun" else {"reference_for": 2}
     job = getattr(launch, launcher)(
-        workers / "launch_sleep.py", ["--pretend-gpus", "1"], gpus=1, results=True,
-        timeout_s=120, **ranks,
-    )  # fmt: skip
+        workers / "launch_sleep.py",
+        ["--pretend-gpus", "1"],
+        gpus=1,
+        results=True,
+        timeout_s=120,
+        **ranks,
+    )
     printed = capsys.readouterr().out.splitlines()
     assert printed[0] == "2 ranks, 1 GPU: running on CPU with gloo so every rank has a device"
     assert printed[1].startswith(f"$ DDP_COURSE_DEVICE=cpu {launcher} ")
@@ -214,7 +218,7 @@ def test_no_tf32_turns_tensor_float_32_off_for_matmuls_and_convolutions(monkeypa
             "[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=4, "
             "OpType=ALLREDUCE, Timeout(ms)=5000) ran for 5004 milliseconds before timing out.",
             True,
-        ),  # fmt: skip
+        ),
         ("torch.distributed.DistStoreError: Timed out after 31 seconds waiting for clients", True),
         ("RuntimeError: Connection closed by peer [127.0.0.1]:29500", False),
         ("loss 0.31 after 12 steps", False),

@@ -8,8 +8,18 @@ import pytest
 import worker_jobs
 
 D_MODEL, EXPERTS, TOKENS = 8, 4, 12
-ARGS = ["--d-model", str(D_MODEL), "--experts", str(EXPERTS), "--tokens", str(TOKENS),
-        "--k", "2", "--capacity-factor", "1.0"]  # fmt: skip
+ARGS = [
+    "--d-model",
+    str(D_MODEL),
+    "--experts",
+    str(EXPERTS),
+    "--tokens",
+    str(TOKENS),
+    "--k",
+    "2",
+    "--capacity-factor",
+    "1.0",
+]
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}ranks")
@@ -24,8 +34,12 @@ def test_expert_parallel_equals_one_process_with_capacity_per_rank(job):
         assert worker_jobs.failed(report) == {}, f"rank {rank}"
     checked = set().union(*(r["fails"] for r in reports))
     # Every expert's four parameters were compared, on the rank that holds it.
-    assert {f"grad expert {e}.{p}.{w}" for e in range(EXPERTS) for p in ("fc1", "fc2")
-            for w in ("weight", "bias")} <= checked  # fmt: skip
+    assert {
+        f"grad expert {e}.{p}.{w}"
+        for e in range(EXPERTS)
+        for p in ("fc1", "fc2")
+        for w in ("weight", "bias")
+    } <= checked
     assert {"output", "input_grad", "router_grad", "aux_loss"} <= checked
     # Capacity mattered: tokens were dropped, and capacity over the whole batch
     # (one group instead of one per rank) would have given another output.
@@ -64,8 +78,10 @@ def test_bytes_exchanged_equal_the_routing_count(job):
         out = report["expected_remote_bytes"]
         assert report["sent_remote_bytes"] == [out, back, out, back]
         assert report["expected_remote_bytes"] == report["remote_rows"] * row_bytes
-        assert report["comm"] == {"forward": {"c10d.alltoall_base_": 3},
-                                  "backward": {"c10d.alltoall_base_": 2}}  # fmt: skip
+        assert report["comm"] == {
+            "forward": {"c10d.alltoall_base_": 3},
+            "backward": {"c10d.alltoall_base_": 2},
+        }
 
 
 def test_rows_not_in_the_order_of_the_splits_are_caught(job):
@@ -84,9 +100,11 @@ def test_return_exchange_without_its_backward_is_caught(job):
         assert report["comm"]["backward"] == {}
         assert "input_grad" in fails
         assert {name for name in fails if name.startswith("grad expert")} == {
-            f"grad expert {e}.{p}.{w}" for e in _local(job, report)
-            for p in ("fc1", "fc2") for w in ("weight", "bias")
-        }  # fmt: skip
+            f"grad expert {e}.{p}.{w}"
+            for e in _local(job, report)
+            for p in ("fc1", "fc2")
+            for w in ("weight", "bias")
+        }
 
 
 def _local(job, report):

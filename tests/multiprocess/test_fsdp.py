@@ -46,9 +46,10 @@ def test_collectives_of_a_step_match_the_formula_and_fully_shard(ranks, key):
     for rank, r in enumerate(ranks):
         got, formula = r[key], r[key]["formula"]
         calls = got["calls"]
-        for op, count, nbytes in (("all_gather", "all_gathers", "all_gather_bytes"),
-                                  ("reduce_scatter", "reduce_scatters",
-                                   "reduce_scatter_bytes")):  # fmt: skip
+        for op, count, nbytes in (
+            ("all_gather", "all_gathers", "all_gather_bytes"),
+            ("reduce_scatter", "reduce_scatters", "reduce_scatter_bytes"),
+        ):
             mine = [b for o, b, _ in calls if o == op]
             assert len(mine) == formula[count], (rank, op, mine)
             assert sum(mine) == formula[nbytes], (rank, op, mine)

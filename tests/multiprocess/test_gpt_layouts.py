@@ -18,8 +18,9 @@ TOL = 1e-10  # float64, 3 SGD steps: the layouts differ by summation order only 
 @pytest.fixture(scope="module")
 def job():
     worker = pathlib.Path(__file__).resolve().parents[1] / "workers" / "gpt_layouts_check.py"
-    result = launch.torchrun(worker, ["--steps", "3"], nproc=4, results=True, echo=False,
-                             timeout_s=240)  # fmt: skip
+    result = launch.torchrun(
+        worker, ["--steps", "3"], nproc=4, results=True, echo=False, timeout_s=240
+    )
     assert result.results["world_size"] == 4
     return result.results
 
@@ -29,8 +30,9 @@ def test_fsdp_x_tp_equals_one_process(job):
     assert job["gaps"]["as written"] <= TOL
 
 
-@pytest.mark.parametrize("mistake", ["data by tp coordinate", "loss summed over dp",
-                                     "fsdp over tp"])  # fmt: skip
+@pytest.mark.parametrize(
+    "mistake", ["data by tp coordinate", "loss summed over dp", "fsdp over tp"]
+)
 def test_mistake_is_caught(job, mistake):
     assert job["gaps"][mistake] > 1e-3, mistake
 

@@ -26,28 +26,27 @@ def table(*rows: str) -> list[list[Action]]:
 
 
 GOLD = {
-    ("naive", 2, 3): table("F0 B0 F1 B1 F2 B2",
-                           "F0 B0 F1 B1 F2 B2"),
-    ("gpipe", 2, 3): table("F0 F1 F2 B0 B1 B2",
-                           "F0 F1 F2 B0 B1 B2"),
-    ("1f1b", 2, 3): table("F0 F1 B0 F2 B1 B2",
-                          "F0 B0 F1 B1 F2 B2"),
-    ("naive", 3, 4): table("F0 B0 F1 B1 F2 B2 F3 B3",
-                           "F0 B0 F1 B1 F2 B2 F3 B3",
-                           "F0 B0 F1 B1 F2 B2 F3 B3"),
-    ("gpipe", 3, 4): table("F0 F1 F2 F3 B0 B1 B2 B3",
-                           "F0 F1 F2 F3 B0 B1 B2 B3",
-                           "F0 F1 F2 F3 B0 B1 B2 B3"),
-    ("1f1b", 3, 4): table("F0 F1 F2 B0 F3 B1 B2 B3",
-                          "F0 F1 B0 F2 B1 F3 B2 B3",
-                          "F0 B0 F1 B1 F2 B2 F3 B3"),
+    ("naive", 2, 3): table("F0 B0 F1 B1 F2 B2", "F0 B0 F1 B1 F2 B2"),
+    ("gpipe", 2, 3): table("F0 F1 F2 B0 B1 B2", "F0 F1 F2 B0 B1 B2"),
+    ("1f1b", 2, 3): table("F0 F1 B0 F2 B1 B2", "F0 B0 F1 B1 F2 B2"),
+    ("naive", 3, 4): table(
+        "F0 B0 F1 B1 F2 B2 F3 B3", "F0 B0 F1 B1 F2 B2 F3 B3", "F0 B0 F1 B1 F2 B2 F3 B3"
+    ),
+    ("gpipe", 3, 4): table(
+        "F0 F1 F2 F3 B0 B1 B2 B3", "F0 F1 F2 F3 B0 B1 B2 B3", "F0 F1 F2 F3 B0 B1 B2 B3"
+    ),
+    ("1f1b", 3, 4): table(
+        "F0 F1 F2 B0 F3 B1 B2 B3", "F0 F1 B0 F2 B1 F3 B2 B3", "F0 B0 F1 B1 F2 B2 F3 B3"
+    ),
     ("naive", 2, 1): table("F0 B0", "F0 B0"),
     ("gpipe", 1, 2): table("F0 F1 B0 B1"),
-    ("1f1b", 4, 4): table("F0 F1 F2 F3 B0 B1 B2 B3",
-                          "F0 F1 F2 B0 F3 B1 B2 B3",
-                          "F0 F1 B0 F2 B1 F3 B2 B3",
-                          "F0 B0 F1 B1 F2 B2 F3 B3"),
-}  # fmt: skip
+    ("1f1b", 4, 4): table(
+        "F0 F1 F2 F3 B0 B1 B2 B3",
+        "F0 F1 F2 B0 F3 B1 B2 B3",
+        "F0 F1 B0 F2 B1 F3 B2 B3",
+        "F0 B0 F1 B1 F2 B2 F3 B3",
+    ),
+}
 
 
 @pytest.mark.parametrize("name,p,m", list(GOLD))
@@ -97,10 +96,18 @@ def test_simulated_timeline_by_hand():
     # GPipe, p=2, m=2, t_f=1, t_b=2, worked out on paper.
     tl = pipeline.simulate(pipeline.gpipe_schedule(2, 2), forward_cost=1, backward_cost=2)
     got = [(e.rank, str(e.action), e.start, e.end) for e in tl.events]
-    assert sorted(got) == sorted([
-        (0, "F0", 0, 1), (0, "F1", 1, 2), (0, "B0", 5, 7), (0, "B1", 7, 9),
-        (1, "F0", 1, 2), (1, "F1", 2, 3), (1, "B0", 3, 5), (1, "B1", 5, 7),
-    ])  # fmt: skip
+    assert sorted(got) == sorted(
+        [
+            (0, "F0", 0, 1),
+            (0, "F1", 1, 2),
+            (0, "B0", 5, 7),
+            (0, "B1", 7, 9),
+            (1, "F0", 1, 2),
+            (1, "F1", 2, 3),
+            (1, "B0", 3, 5),
+            (1, "B1", 5, 7),
+        ]
+    )
     assert tl.makespan == 9
     assert tl.bubbles() == [pytest.approx(1 - 6 / 9)] * 2
     # A message delay shifts every receive: rank 1's F0 starts at 1 + 0.5.
@@ -113,8 +120,9 @@ def test_simulated_timeline_by_hand():
         tl.render(unit=0)
     again = pipeline.Timeline.from_records(json.loads(json.dumps(delayed.to_records())))
     assert again == delayed
-    shifted = pipeline.Timeline(tuple(dataclasses.replace(e, start=e.start + 7, end=e.end + 7)
-                                      for e in tl.events)).relative()  # fmt: skip
+    shifted = pipeline.Timeline(
+        tuple(dataclasses.replace(e, start=e.start + 7, end=e.end + 7) for e in tl.events)
+    ).relative()
     assert shifted == tl  # tl already starts at 0
 
 
@@ -216,9 +224,13 @@ def test_one_stage_accumulates_micro_batches_into_the_whole_batch_gradient():
         model = _stack()
         table = pipeline.schedule(name, 1, 3)
         result = pipeline.run_schedule(
-            table, model, 0, pipeline.split_microbatches(x, 3),
-            pipeline.split_microbatches(y, 3), cross_entropy,
-        )  # fmt: skip
+            table,
+            model,
+            0,
+            pipeline.split_microbatches(x, 3),
+            pipeline.split_microbatches(y, 3),
+            cross_entropy,
+        )
         for p, q in zip(model.parameters(), reference.parameters()):
             torch.testing.assert_close(p.grad, q.grad)
         assert result.loss == pytest.approx(loss.item())
@@ -284,9 +296,13 @@ def test_each_send_goes_with_the_next_receive_from_the_same_rank(monkeypatch, ra
     stage = pipeline.split_model(_stack(), 2, rank)
     x, y = torch.randn(m * n, 6), torch.randint(0, 3, (m * n,))
     pipeline.run_schedule(
-        pipeline.schedule("1f1b", 2, m), stage, rank,
-        pipeline.split_microbatches(x, m), pipeline.split_microbatches(y, m), cross_entropy,
-    )  # fmt: skip
+        pipeline.schedule("1f1b", 2, m),
+        stage,
+        rank,
+        pipeline.split_microbatches(x, m),
+        pipeline.split_microbatches(y, m),
+        cross_entropy,
+    )
     act = (n, 8)
     expected = {
         0: [  # shapes down the chain; F0 sends alone (F1 receives nothing); F1 + B0; B1
@@ -332,8 +348,14 @@ def test_run_schedule_refuses_bad_input():
 @pytest.mark.serial  # it measures the bubble: a neighbour on the cores would skew it
 def test_pipelined_step_over_gloo_equals_one_process(workers):
     p, m = 3, 4
-    job = launch.torchrun(workers / "pipeline_step.py", ["--microbatches", str(m)], nproc=p,
-                          results=True, echo=False, timeout_s=120)  # fmt: skip
+    job = launch.torchrun(
+        workers / "pipeline_step.py",
+        ["--microbatches", str(m)],
+        nproc=p,
+        results=True,
+        echo=False,
+        timeout_s=120,
+    )
     r = job.results
     for name, ranks in r["equal"].items():
         # The worker asserted gradients and SGD parameters equal to the one-process step.
@@ -362,8 +384,9 @@ def test_pipelined_step_over_gloo_equals_one_process(workers):
 
 
 def test_our_executor_equals_torch_distributed_pipelining(workers):
-    job = launch.torchrun(workers / "pipeline_torch.py", nproc=3, results=True, echo=False,
-                          timeout_s=120)  # fmt: skip
+    job = launch.torchrun(
+        workers / "pipeline_torch.py", nproc=3, results=True, echo=False, timeout_s=120
+    )
     schedules = job.results["schedules"]
     assert set(schedules) == {"gpipe", "1f1b"}
     for name, ranks in schedules.items():

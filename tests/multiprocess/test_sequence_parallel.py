@@ -19,8 +19,20 @@ import worker_jobs
 from ddp_course.mesh_predictions import saved_block_bytes_formula
 
 D, HEADS, LAYERS, SEQ, BATCH, STEPS = 16, 4, 2, 8, 2, 5
-ARGS = ["--d-model", str(D), "--n-heads", str(HEADS), "--n-layers", str(LAYERS),
-        "--seq-len", str(SEQ), "--batch-size", str(BATCH), "--steps", str(STEPS)]  # fmt: skip
+ARGS = [
+    "--d-model",
+    str(D),
+    "--n-heads",
+    str(HEADS),
+    "--n-layers",
+    str(LAYERS),
+    "--seq-len",
+    str(SEQ),
+    "--batch-size",
+    str(BATCH),
+    "--steps",
+    str(STEPS),
+]
 K = BATCH * SEQ * D * 8  # one [B, T, d] float64 activation, bytes
 WIRE = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}  # x (N-1)/N K per rank, ring
 
@@ -72,8 +84,9 @@ def test_collectives_per_block_match_the_formula(job):
         assert counts(sp_calls, "grads") == {"all_reduce": [6 * D * 8]}
 
         def wire(calls, phase):
-            return sum(WIRE[op] * (n - 1) * b / n for op, bs in counts(calls, phase).items()
-                       for b in bs)  # fmt: skip
+            return sum(
+                WIRE[op] * (n - 1) * b / n for op, bs in counts(calls, phase).items() for b in bs
+            )
 
         # Same bytes on the wire forward (Korthikanti et al. 2022, section 4.2.2); backward
         # pays the two extra all-gathers.
@@ -90,10 +103,14 @@ def test_collectives_per_training_step(job):
         assert counts(tp_calls, "grads") == {}
         # One more all-gather each way: into the replicated final LayerNorm (forward),
         # out of the replicated embeddings (backward).
-        assert counts(sp_calls, "forward") == {"all_gather": [K] * (2 * LAYERS + 1),
-                                               "reduce_scatter": [K] * 2 * LAYERS}  # fmt: skip
-        assert counts(sp_calls, "backward") == {"all_gather": [K] * (4 * LAYERS + 1),
-                                                "reduce_scatter": [K] * 2 * LAYERS}  # fmt: skip
+        assert counts(sp_calls, "forward") == {
+            "all_gather": [K] * (2 * LAYERS + 1),
+            "reduce_scatter": [K] * 2 * LAYERS,
+        }
+        assert counts(sp_calls, "backward") == {
+            "all_gather": [K] * (4 * LAYERS + 1),
+            "reduce_scatter": [K] * 2 * LAYERS,
+        }
         assert counts(sp_calls, "grads") == {"all_reduce": [6 * D * LAYERS * 8]}
 
 

@@ -27,9 +27,13 @@ def test_memory_matches_the_papers_figure_1(stage, paper_gb):
 @pytest.mark.parametrize(
     ("world_size", "paper_gb"),
     # ZeRO paper, Table 1, 7.5B parameters, columns P_os, P_os+g, P_os+g+p, in GB.
-    [(1, (120, 120, 120)), (4, (52.5, 41.3, 30)), (16, (35.6, 21.6, 7.5)),
-     (1024, (30.1, 15.1, 0.12))],
-)  # fmt: skip
+    [
+        (1, (120, 120, 120)),
+        (4, (52.5, 41.3, 30)),
+        (16, (35.6, 21.6, 7.5)),
+        (1024, (30.1, 15.1, 0.12)),
+    ],
+)
 def test_memory_matches_the_papers_table_1(world_size, paper_gb):
     for stage, want in zip((1, 2, 3), paper_gb):
         got = state_bytes_per_rank(stage, 7_500_000_000, world_size).total / GB
@@ -79,8 +83,10 @@ def test_one_rank_equals_plain_adam(stage):
         zero = ZeRO(model, torch.optim.Adam, stage, lr=0.01)
         for _ in range(3):
             x = torch.randn(4, 6)
-            for m, step, zero_grad in ((plain, opt.step, opt.zero_grad),
-                                       (zero, zero.step, zero.zero_grad)):  # fmt: skip
+            for m, step, zero_grad in (
+                (plain, opt.step, opt.zero_grad),
+                (zero, zero.step, zero.zero_grad),
+            ):
                 m(x).square().mean().backward()
                 step()
                 zero_grad()
@@ -113,8 +119,12 @@ def test_collective_bytes_reads_the_tensors_torch_sees():
             out = torch.empty(4)
             torch.distributed.all_gather_into_tensor(out, torch.ones(4))
             torch.distributed.reduce_scatter_tensor(out, torch.ones(4))
-    assert sent.calls == [("all_reduce", 40), ("broadcast", 24), ("all_gather", 16),
-                          ("reduce_scatter", 16)]  # fmt: skip
+    assert sent.calls == [
+        ("all_reduce", 40),
+        ("broadcast", 24),
+        ("all_gather", 16),
+        ("reduce_scatter", 16),
+    ]
     assert sent.bytes_of("all_gather") == 16
     assert sent.volume_bytes == 2 * 40 + 24 + 16 + 16  # an all-reduce counts twice
 
@@ -150,8 +160,9 @@ def jobs():
     def run(nproc):
         if nproc not in cache:
             worker = WORKERS / "sharding_equivalence.py"
-            job = launch.torchrun(worker, ["--steps", "4"],
-                                  nproc=nproc, results=True, echo=False, timeout_s=240)  # fmt: skip
+            job = launch.torchrun(
+                worker, ["--steps", "4"], nproc=nproc, results=True, echo=False, timeout_s=240
+            )
             cache[nproc] = job.results
         return cache[nproc]
 
@@ -245,8 +256,9 @@ def test_models_that_differ_across_ranks_are_refused(jobs, nproc):
 @pytest.fixture(scope="module")
 def accumulation():
     worker = WORKERS / "zero_accumulation.py"
-    job = launch.torchrun(worker, ["--micro", "2"], nproc=2, results=True, echo=False,
-                          timeout_s=240)  # fmt: skip
+    job = launch.torchrun(
+        worker, ["--micro", "2"], nproc=2, results=True, echo=False, timeout_s=240
+    )
     return job.results
 
 
@@ -322,9 +334,16 @@ def test_unit_order_puts_each_collective_between_the_units_hooks():
             dist.all_gather_into_tensor(torch.empty(35), torch.ones(35))  # unit 0's bytes
             dist.all_reduce(torch.ones(3))  # no unit's
         model(torch.randn(2, 6))  # after the block: not recorded, the hooks are gone
-    assert order.events == [("forward", "0"), ("forward done", "0"), ("forward", "2"),
-                            ("forward done", "2"), ("backward", "2"), ("backward", "0"),
-                            ("all_gather", "0"), ("all_reduce", None)]  # fmt: skip
+    assert order.events == [
+        ("forward", "0"),
+        ("forward done", "0"),
+        ("forward", "2"),
+        ("forward done", "2"),
+        ("backward", "2"),
+        ("backward", "0"),
+        ("all_gather", "0"),
+        ("all_reduce", None),
+    ]
     assert position(order.events, ("backward", "0")) == 5
     assert position([list(e) for e in order.events], ("all_gather", "0")) == 6  # as from JSON
     with pytest.raises(ValueError, match="1 times, not 2"):

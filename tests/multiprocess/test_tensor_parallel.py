@@ -12,8 +12,18 @@ from ddp_course.models import FeedForward
 from ddp_course.tensor_parallel import ColumnParallelLinear, ParallelFeedForward, RowParallelLinear
 
 D_MODEL, HIDDEN, BATCH, BLOCKS, STEPS = 8, 24, 6, 2, 3
-ARGS = ["--d-model", str(D_MODEL), "--hidden", str(HIDDEN), "--batch-size", str(BATCH),
-        "--blocks", str(BLOCKS), "--steps", str(STEPS)]  # fmt: skip
+ARGS = [
+    "--d-model",
+    str(D_MODEL),
+    "--hidden",
+    str(HIDDEN),
+    "--batch-size",
+    str(BATCH),
+    "--blocks",
+    str(BLOCKS),
+    "--steps",
+    str(STEPS),
+]
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}ranks")

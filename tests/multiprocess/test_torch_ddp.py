@@ -8,8 +8,14 @@ from ddp_course.harness import launch
 # 3 ranks: notebook 05 checks 2 ranks on the lesson's script.
 @pytest.mark.parametrize("nproc", [3])
 def test_ddp_matches_single_process_step_by_step(workers, nproc):
-    job = launch.torchrun(workers / "ddp_equivalence.py", ["--steps", "5"], nproc=nproc,
-                          results=True, echo=False, timeout_s=180)  # fmt: skip
+    job = launch.torchrun(
+        workers / "ddp_equivalence.py",
+        ["--steps", "5"],
+        nproc=nproc,
+        results=True,
+        echo=False,
+        timeout_s=180,
+    )
     r = job.results
     assert r["world_size"] == nproc
     assert r["broadcast_ok"], "DDP did not broadcast rank 0's parameters"
@@ -30,8 +36,7 @@ def test_ddp_matches_single_process_step_by_step(workers, nproc):
 # 3 ranks: notebook 05 runs the same script with 2.
 @pytest.mark.parametrize("nproc", [3])
 def test_what_breaks_the_equivalence(root, nproc):
-    job = launch.torchrun(root / "scripts/05_what_breaks.py", nproc=nproc, results=True,
-                          echo=False)  # fmt: skip
+    job = launch.torchrun(root / "scripts/05_what_breaks.py", nproc=nproc, results=True, echo=False)
     cases = job.results["cases"]
     assert cases.pop("equal shares")["gap"] < 1e-6
     for name, case in cases.items():

@@ -11,8 +11,18 @@ import pytest
 import worker_jobs
 
 LAYERS = 2
-ARGS = ["--d-model", "16", "--n-heads", "4", "--n-layers", str(LAYERS), "--seq-len", "8",
-        "--batch-size", "2"]  # fmt: skip
+ARGS = [
+    "--d-model",
+    "16",
+    "--n-heads",
+    "4",
+    "--n-layers",
+    str(LAYERS),
+    "--seq-len",
+    "8",
+    "--batch-size",
+    "2",
+]
 SHARDED = ("heads", "sequence shard")
 
 
@@ -43,10 +53,12 @@ def test_masks_follow_the_rule_on_every_rank(job):
     for rank, report in enumerate(job["variants"]["as_written"]):
         assert wrong(report) == [], rank
         # Every region was seen, and dropout 0.5 dropped about half of it.
-        assert set(report["tp"]["regions"]) == {"replicated embeddings", "heads",
-                                                "replicated residual"}  # fmt: skip
-        assert set(report["sp"]["regions"]) == {"replicated embeddings", "heads",
-                                                "sequence shard"}  # fmt: skip
+        assert set(report["tp"]["regions"]) == {
+            "replicated embeddings",
+            "heads",
+            "replicated residual",
+        }
+        assert set(report["sp"]["regions"]) == {"replicated embeddings", "heads", "sequence shard"}
         for mode in ("tp", "sp"):
             for row in report[mode]["regions"].values():
                 assert 0.2 < row["dropped"] < 0.6, row

@@ -189,10 +189,11 @@ class _Checker:
 
     def _imports_nn(self) -> bool:
         return any(
-            isinstance(n, ast.ImportFrom) and n.module == "torch" and
-            any(a.name == "nn" for a in n.names)
+            isinstance(n, ast.ImportFrom)
+            and n.module == "torch"
+            and any(a.name == "nn" for a in n.names)
             for n in ast.walk(self.tree)
-        )  # fmt: skip
+        )
 
     def _read_imports(self) -> None:
         for node in ast.walk(self.tree):
@@ -381,10 +382,12 @@ class _Checker:
             return False
         seen.add((name, id(scope)))
         return any(
-            isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)
+            isinstance(n, ast.Name)
+            and n.id == name
+            and isinstance(n.ctx, ast.Load)
             and self.reaches_device(n, seen, data)
             for n in ast.walk(scope)
-        )  # fmt: skip
+        )
 
     def _argument_reaches(self, call: ast.Call, arg: ast.AST, seen: set, data: bool) -> bool:
         """(6): ``arg`` is passed to a script function whose parameter reaches a move."""
@@ -429,8 +432,9 @@ class _Checker:
         while statement in self.parents and not isinstance(statement, ast.stmt):
             statement = self.parents[statement]
         if isinstance(statement, ast.Assign) and self.is_construction(call):
-            names = {n.id for t in statement.targets for n in ast.walk(t)
-                     if isinstance(n, ast.Name)}  # fmt: skip
+            names = {
+                n.id for t in statement.targets for n in ast.walk(t) if isinstance(n, ast.Name)
+            }
             if any(self._list_into_construction(n, call) for n in names):  # (3)
                 return True
         return self.reaches_device(call, seen, data)
@@ -696,8 +700,13 @@ RENAMED_SINCE = {  # old name -> new name
 
 @pytest.mark.parametrize("name", sorted(FLAGGED_BEFORE_FIX))
 def test_lesson07_scripts_in_history_are_flagged(name):
-    shown = subprocess.run(["git", "show", f"{BEFORE_FIX}:scripts/{name}"], cwd=ROOT,
-                           capture_output=True, text=True, check=False)  # fmt: skip
+    shown = subprocess.run(
+        ["git", "show", f"{BEFORE_FIX}:scripts/{name}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if shown.returncode != 0:
         pytest.skip(f"git history without {BEFORE_FIX[:7]} (a shallow clone?)")
     source = shown.stdout

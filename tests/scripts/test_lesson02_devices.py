@@ -193,8 +193,9 @@ def test_script_reads_no_unsynchronised_clock():
 
 def _code(source: str) -> str:
     # Remove IPython magics so that ast can parse the cell.
-    return "\n".join("" if line.lstrip().startswith(("%", "!")) else line
-                     for line in source.splitlines())  # fmt: skip
+    return "\n".join(
+        "" if line.lstrip().startswith(("%", "!")) else line for line in source.splitlines()
+    )
 
 
 def _cells():

@@ -31,11 +31,15 @@ def fourth_group(device: str) -> str:
 def check_own_stores(r: dict, env_store: list[str]) -> None:
     """Rank 0 served the tcp:// store, the fourth group's and the side store on 127.0.0.1
     only; ``env_store`` is where it served env://'s (none under torchrun: the agent's)."""
-    served = {m: got["store_listens_on"] for m, got in r["init"].items()
-              if "store_listens_on" in got}  # fmt: skip
+    served = {
+        m: got["store_listens_on"] for m, got in r["init"].items() if "store_listens_on" in got
+    }
     loopback = ["127.0.0.1"]
-    assert served == {"env://": env_store, "tcp://": loopback,
-                      fourth_group(r["device"]): loopback}, served  # fmt: skip
+    assert served == {
+        "env://": env_store,
+        "tcp://": loopback,
+        fourth_group(r["device"]): loopback,
+    }, served
     assert r["side_store_listens_on"] == loopback
 
 
@@ -55,8 +59,9 @@ def test_process_groups_as_plain_python(root):
 def test_process_groups_under_torchrun(root, nproc):
     # The fourth group comes after env:// under torchrun, whose store is the agent's: it
     # must get a store of its own, or rank 0 tries to serve the agent's port (EADDRINUSE).
-    job = launch.torchrun(root / "scripts/03_process_groups.py", nproc=nproc, results=True,
-                          echo=False, timeout_s=180)  # fmt: skip
+    job = launch.torchrun(
+        root / "scripts/03_process_groups.py", nproc=nproc, results=True, echo=False, timeout_s=180
+    )
     r = job.results
     plan = runtime.device_plan(nproc, runtime.gpu_count())
     assert r["world_size"] == nproc and r["device"].split(":")[0] == plan.device_type
@@ -67,8 +72,7 @@ def test_process_groups_under_torchrun(root, nproc):
 
 
 def test_collectives_subgroups_with_three_ranks(root):
-    job = launch.torchrun(root / "scripts/03_collectives.py", nproc=3, results=True,
-                          echo=False)  # fmt: skip
+    job = launch.torchrun(root / "scripts/03_collectives.py", nproc=3, results=True, echo=False)
     subs = [record["subgroup"] for record in job.results["ranks"]]
     assert [s["members"] for s in subs] == [[0, 2], [1], [0, 2]]
     assert [s["sum"] for s in subs] == [2, 1, 2]  # each half's ranks, not the world's 3
@@ -87,15 +91,18 @@ def groups_record(device: str, methods: list[str], backend: str) -> dict:
     a fourth group named "cpu:gloo" has that backend alone, as the script names it."""
     return {
         "device": device,
-        "init": {m: {"backend": "cpu:gloo" if m == "cpu:gloo" else backend, "sum": 3}
-                 for m in methods},
-    }  # fmt: skip
+        "init": {
+            m: {"backend": "cpu:gloo" if m == "cpu:gloo" else backend, "sum": 3} for m in methods
+        },
+    }
 
 
 def check_init_methods(groups: dict, monkeypatch, gpus: int) -> None:
     monkeypatch.setattr(ddp_course.runtime, "gpu_count", lambda: gpus)
-    exec(notebook_cell("# What the script ran follows the device plan"),
-         {"runtime": runtime, "groups": groups})  # fmt: skip
+    exec(
+        notebook_cell("# What the script ran follows the device plan"),
+        {"runtime": runtime, "groups": groups},
+    )
 
 
 @pytest.mark.parametrize(
@@ -184,8 +191,13 @@ def test_send_first_exercise_runs_on_gloo_with_gpus(root, tmp_path, monkeypatch)
         raise launch.LaunchError(f"{script.name} failed on rank 0", 0, 1, {0: SEND_LOG})
 
     monkeypatch.setattr(launch, "torchrun", fake_torchrun)
-    namespace = {"BUILD": tmp_path, "pathlib": pathlib, "runtime": runtime, "GPUS": 2,
-                 "launch": launch}  # fmt: skip
+    namespace = {
+        "BUILD": tmp_path,
+        "pathlib": pathlib,
+        "runtime": runtime,
+        "GPUS": 2,
+        "launch": launch,
+    }
     exec(notebook_cell("exercise_copy = BUILD"), namespace)
     exec(notebook_cell("assert not isinstance(send_first_error"), namespace)
     assert planned == ["cpu"]

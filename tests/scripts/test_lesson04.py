@@ -11,19 +11,25 @@ from ddp_course.tools.bench import busbw_factor
 
 def test_script_04_tiny_sweep_under_torchrun(root):
     args = ["--max-bytes", "16384", "--warmup", "0", "--repeats", "2"]
-    job = launch.torchrun(root / "scripts/04_allreduce.py", args, nproc=2, results=True,
-                          echo=False, timeout_s=180)  # fmt: skip
+    job = launch.torchrun(
+        root / "scripts/04_allreduce.py", args, nproc=2, results=True, echo=False, timeout_s=180
+    )
     r = job.results
     backend = runtime.device_plan(2, runtime.gpu_count()).backend  # nccl with 2 GPUs
     assert (r["world_size"], r["backend"], r["sizes"]) == (2, backend, [4096, 8192, 16384])
     k = 12_000 * 4
     assert r["checks"]["ring"] == [[k, k, 2], [k, k, 2]]  # 2(N-1)/N K = K each way at N = 2
-    for name, collective in (("torch", "all_reduce"), ("ring", "all_reduce"),
-                             ("send", "sendrecv"), ("exchange", "sendrecv")):  # fmt: skip
+    for name, collective in (
+        ("torch", "all_reduce"),
+        ("ring", "all_reduce"),
+        ("send", "sendrecv"),
+        ("exchange", "sendrecv"),
+    ):
         row = r["sweep"][name]
         assert len(row["times_s"]) == 3 and all(len(ts) == 2 for ts in row["times_s"])
-        for size, t, alg, bus in zip(r["sizes"], row["median_s"], row["algbw_GBps"],
-                                     row["busbw_GBps"], strict=True):  # fmt: skip
+        for size, t, alg, bus in zip(
+            r["sizes"], row["median_s"], row["algbw_GBps"], row["busbw_GBps"], strict=True
+        ):
             assert alg == pytest.approx(size / t / 1e9)
             assert bus == pytest.approx(alg * busbw_factor(collective, 2))
     # The busiest rank's rate: at N = 2 ring and server both send S bytes from every rank;

@@ -84,8 +84,12 @@ def run_launch_cells(monkeypatch, tmp_path, gpus: int, ran_on=None) -> list[dict
             backend, device = ran_on(nproc)
         else:
             backend, device = {"cpu": ("gloo", "cpu"), "cuda": ("nccl", "cuda:0")}[planned]
-        results = {"world_size": nproc, "backend": backend, "device": device,
-                   "checks": {"cases": 24}}  # fmt: skip
+        results = {
+            "world_size": nproc,
+            "backend": backend,
+            "device": device,
+            "checks": {"cases": 24},
+        }
         return types.SimpleNamespace(results=results, output="")
 
     monkeypatch.setattr(launch, "torchrun", torchrun)
@@ -122,9 +126,16 @@ def test_the_sweep_plan_runs_a_two_rank_launch_on_cpu_where_two_gpus_would_take_
     # On a "2-GPU machine" the launcher alone would put 2 ranks on cuda:0 and cuda:1
     # (and fail here, where there is no GPU); the sweep's plan keeps them on the CPU.
     plan = sweep_device_plan((2, 3, 4), gpus=2)
-    job = launch.torchrun(root / "scripts/04_allreduce.py", ["--max-bytes", "0"], nproc=2,
-                          gpus=2, env={runtime.DEVICE_ENV: plan.device_type}, results=True,
-                          echo=False, timeout_s=180)  # fmt: skip
+    job = launch.torchrun(
+        root / "scripts/04_allreduce.py",
+        ["--max-bytes", "0"],
+        nproc=2,
+        gpus=2,
+        env={runtime.DEVICE_ENV: plan.device_type},
+        results=True,
+        echo=False,
+        timeout_s=180,
+    )
     assert (job.results["backend"], job.results["device"]) == ("gloo", "cpu")
 
 

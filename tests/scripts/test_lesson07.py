@@ -9,15 +9,37 @@ import pytest
 from ddp_course.harness import launch
 
 PLAIN = {
-    "07_ddp_from_scratch.py": ["--steps", "1", "--hidden", "32", "--layers", "2", "--accum", "2",
-                               "--batch-size", "4"],
+    "07_ddp_from_scratch.py": [
+        "--steps",
+        "1",
+        "--hidden",
+        "32",
+        "--layers",
+        "2",
+        "--accum",
+        "2",
+        "--batch-size",
+        "4",
+    ],
     "07_ddp_knobs.py": ["--steps", "1", "--mem-width", "64"],
     "07_sync_batchnorm.py": [],
     "07_mixed_precision.py": ["--max-steps", "5"],
     "07_lr_scaling.py": ["--batch-size", "64"],
-    "07_benchmark.py": ["--model", "layerstack", "--batch-size", "4", "--repeats", "2",
-                        "--warmup", "1", "--caps", "0.25", "1", "--no-progress"],
-}  # fmt: skip
+    "07_benchmark.py": [
+        "--model",
+        "layerstack",
+        "--batch-size",
+        "4",
+        "--repeats",
+        "2",
+        "--warmup",
+        "1",
+        "--caps",
+        "0.25",
+        "1",
+        "--no-progress",
+    ],
+}
 
 
 @pytest.mark.parametrize("script", sorted(PLAIN))
@@ -32,8 +54,9 @@ def test_lesson07_script_as_plain_python(root, tmp_path, script):
         assert (tmp_path / "bench.png").exists()
         _check_benchmark(json.loads((tmp_path / "bench.json").read_text()), world_size=1)
     else:
-        job = launch.python(root / "scripts" / script, args, results=True, echo=False,
-                            timeout_s=300)  # fmt: skip
+        job = launch.python(
+            root / "scripts" / script, args, results=True, echo=False, timeout_s=300
+        )
         CHECKS[script](job.results)
 
 
@@ -92,7 +115,12 @@ CHECKS = {
 
 def test_lesson07_benchmark_under_torchrun(root, tmp_path):
     out = tmp_path / "bench.json"
-    launch.torchrun(root / "scripts/07_benchmark.py", [*PLAIN["07_benchmark.py"], "--results",
-                    str(out)], nproc=2, echo=False, timeout_s=300)  # fmt: skip
+    launch.torchrun(
+        root / "scripts/07_benchmark.py",
+        [*PLAIN["07_benchmark.py"], "--results", str(out)],
+        nproc=2,
+        echo=False,
+        timeout_s=300,
+    )
     assert out.with_suffix(".png").exists()
     _check_benchmark(json.loads(out.read_text()), world_size=2)

@@ -51,10 +51,20 @@ def test_pipeline_as_plain_python(root):
     # 3 micro-batches of 11, 11 and 10 samples (weighted by share), 4 of 8 (torch too).
     # Sleeping stages: with compute alone a step lasts milliseconds, and the loop's own
     # overhead between actions could pass for idle time.
-    args = ["--microbatches", "3", "4", "--stage-cost-s", "0.02", "--batch-size", str(BATCH),
-            "--hidden", str(WIDTH)]  # fmt: skip
-    r = launch.python(root / "scripts/08_pipeline.py", args, results=True, echo=False,
-                      timeout_s=120).results  # fmt: skip
+    args = [
+        "--microbatches",
+        "3",
+        "4",
+        "--stage-cost-s",
+        "0.02",
+        "--batch-size",
+        str(BATCH),
+        "--hidden",
+        str(WIDTH),
+    ]
+    r = launch.python(
+        root / "scripts/08_pipeline.py", args, results=True, echo=False, timeout_s=120
+    ).results
     check_common(r, 1)
     runs = {(run["schedule"], run["microbatches"]): run for run in r["runs"]}
     assert set(runs) == {(s, m) for s in pipeline.SCHEDULES for m in (3, 4)}
@@ -86,13 +96,25 @@ def off_the_formula(r, p):
 @pytest.mark.parametrize("p", [2])
 def test_pipeline_bubble_and_memory_under_torchrun(root, p):
     ms = MICROBATCHES[p]
-    args = ["--schedule", "gpipe", "1f1b", "--microbatches", *map(str, ms),
-            "--stage-cost-s", str(COST_S[p]), "--batch-size", str(BATCH),
-            "--hidden", str(WIDTH), "--no-torch"]  # fmt: skip
+    args = [
+        "--schedule",
+        "gpipe",
+        "1f1b",
+        "--microbatches",
+        *map(str, ms),
+        "--stage-cost-s",
+        str(COST_S[p]),
+        "--batch-size",
+        str(BATCH),
+        "--hidden",
+        str(WIDTH),
+        "--no-torch",
+    ]
 
     def job():
-        return launch.torchrun(root / "scripts/08_pipeline.py", args, nproc=p, results=True,
-                               echo=False, timeout_s=180).results  # fmt: skip
+        return launch.torchrun(
+            root / "scripts/08_pipeline.py", args, nproc=p, results=True, echo=False, timeout_s=180
+        ).results
 
     r = job()
     check_common(r, p)
@@ -125,8 +147,9 @@ def test_pipeline_bubble_and_memory_under_torchrun(root, p):
 
 
 def test_tensor_parallel_as_plain_python(root):
-    r = launch.python(root / "scripts/08_tensor_parallel.py", results=True, echo=False,
-                      timeout_s=120).results  # fmt: skip
+    r = launch.python(
+        root / "scripts/08_tensor_parallel.py", results=True, echo=False, timeout_s=120
+    ).results
     assert r["world_size"] == 1
     assert max(r["diffs"].values()) <= 1e-5 and max(r["torch_diffs"].values()) <= 1e-5
     # One rank: nothing to reduce, the whole weights on the rank.

@@ -16,17 +16,24 @@ FP32 = 4  # bytes per parameter and per gradient; Adam keeps two such values mor
 def test_zero_script_as_plain_python(root):
     # 3 steps: the last one is a steady one (DDP's second forward broadcasts its bucket order).
     # Both optimizers in one process, each at its default learning rate.
-    job = launch.python(root / "scripts/09_zero.py",
-                        ["--steps", "3", "--hidden", "32", "--optimizer", "adam", "sgd"],
-                        results=True, echo=False, timeout_s=300)  # fmt: skip
+    job = launch.python(
+        root / "scripts/09_zero.py",
+        ["--steps", "3", "--hidden", "32", "--optimizer", "adam", "sgd"],
+        results=True,
+        echo=False,
+        timeout_s=300,
+    )
     assert job.results["optimizers"] == ["adam", "sgd"]
     rows = job.results["rows"]
     assert [(r["optimizer"], r["stage"]) for r in rows] == [
         (optimizer, stage) for optimizer in ("adam", "sgd") for stage in range(4)
     ]
     assert {r["optimizer"]: r["lr"] for r in rows} == {"adam": 1e-3, "sgd": 0.1}
-    layers = [FP32 * sum(p.numel() for p in m.parameters())
-              for m in MLP(hidden=32).modules() if isinstance(m, torch.nn.Linear)]  # fmt: skip
+    layers = [
+        FP32 * sum(p.numel() for p in m.parameters())
+        for m in MLP(hidden=32).modules()
+        if isinstance(m, torch.nn.Linear)
+    ]
     for r in rows:
         optimizer, psi = r["optimizer"], r["num_params"]
         held = r["per_rank"][0]["held"]

@@ -10,8 +10,13 @@ FP32 = 4
 
 
 def test_fsdp_module_script_as_plain_python(root):
-    job = launch.python(root / "scripts/09_fsdp_module.py", ["--steps", "2", "--hidden", "32"],
-                        results=True, echo=False, timeout_s=300)  # fmt: skip
+    job = launch.python(
+        root / "scripts/09_fsdp_module.py",
+        ["--steps", "2", "--hidden", "32"],
+        results=True,
+        echo=False,
+        timeout_s=300,
+    )
     r = job.results
     assert r["world_size"] == 1 and set(r["runs"]) == {"sgd", "adamw"}
     full = [list(p.shape) for p in MLP(hidden=32).parameters()]
@@ -37,8 +42,10 @@ def test_fsdp_module_script_as_plain_python(root):
             gathers = [b for op, b, _ in calls if op == "all_gather"]
             scatters = [b for op, b, _ in calls if op == "reduce_scatter"]
             assert (len(gathers), sum(gathers)) == (f["all_gathers"], f["all_gather_bytes"])
-            assert (len(scatters), sum(scatters)) == (f["reduce_scatters"],
-                                                      f["reduce_scatter_bytes"])  # fmt: skip
+            assert (len(scatters), sum(scatters)) == (
+                f["reduce_scatters"],
+                f["reduce_scatter_bytes"],
+            )
             wire = 2 if kind.endswith("bfloat16") else FP32
             peak = sum(layers) if kind.endswith("False") else max(layers)
             assert got["peak"] == peak * wire // FP32, (optimizer, kind, got["peak"])

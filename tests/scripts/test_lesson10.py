@@ -86,7 +86,9 @@ def test_scaling_tables_come_from_the_rows(tiny):
     # The weak runs double the global batch; the strong ones keep it.
     assert {g["global_batch"] for g in got if g["kind"] == "strong"} == {8}
     assert {(g["world_size"], g["global_batch"]) for g in got if g["kind"] == "weak"} == {
-        (1, 8), (2, 16)}  # fmt: skip
+        (1, 8),
+        (2, 16),
+    }
     assert any(g["oversubscribed"] for g in rows(r, "scaling"))
 
 
@@ -163,8 +165,11 @@ def test_trace_overlap_and_the_kept_trace(tiny):
     assert got["BucketedDDP cap=1 no overlap"]["overlap_us"] == 0
     # The file kept for a viewer gives the number the job reported.
     assert overlap_report(load_trace(trace)) == pytest.approx(
-        {k: got["torch DDP cap=1"][k] for k in ("comm_us", "compute_us", "overlap_us",
-                                                 "overlap_fraction")})  # fmt: skip
+        {
+            k: got["torch DDP cap=1"][k]
+            for k in ("comm_us", "compute_us", "overlap_us", "overlap_fraction")
+        }
+    )
     json.loads(trace.read_text())
 
 

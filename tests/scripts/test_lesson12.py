@@ -15,13 +15,22 @@ ALL_LABS = ["mismatch", "rank0_only", "unused", "shapes", "set_epoch", "divergen
 
 
 def _alive(marker):
-    return [p for p in psutil.process_iter(["cmdline"])
-            if any(marker in part for part in p.info["cmdline"] or [])]  # fmt: skip
+    return [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if any(marker in part for part in p.info["cmdline"] or [])
+    ]
 
 
 def test_every_fixed_lab_passes_under_torchrun_and_leaves_nothing(root):
-    job = launch.torchrun(root / "scripts/12_labs.py", ["--lab", *ALL_LABS, "--fixed"], nproc=2,
-                          results=True, echo=False, timeout_s=180)  # fmt: skip
+    job = launch.torchrun(
+        root / "scripts/12_labs.py",
+        ["--lab", *ALL_LABS, "--fixed"],
+        nproc=2,
+        results=True,
+        echo=False,
+        timeout_s=180,
+    )
     labs = job.results["labs"]
     assert labs["mismatch"]["loss_sum"] == 1.0 + 2.0  # every rank's loss, summed
     assert labs["rank0_only"]["epochs"] == 2 and labs["unused"]["steps"] == 2
@@ -35,8 +44,9 @@ def test_every_fixed_lab_passes_under_torchrun_and_leaves_nothing(root):
 
 def test_labs_as_one_plain_process(root):
     labs = [lab for lab in ALL_LABS if lab != "unused"]  # DDP's unused check fails at 1 rank too
-    job = launch.python(root / "scripts/12_labs.py", ["--lab", *labs], results=True,
-                        echo=False, timeout_s=180)  # fmt: skip
+    job = launch.python(
+        root / "scripts/12_labs.py", ["--lab", *labs], results=True, echo=False, timeout_s=180
+    )
     # One rank: nothing to mismatch, wait for or differ from, so these bugs pass.
     labs = job.results["labs"]
     assert job.results["world_size"] == 1 and labs["mismatch"]["loss_sum"] == 1.0
@@ -45,9 +55,13 @@ def test_labs_as_one_plain_process(root):
 
 
 def test_monitor_as_one_plain_process(root, tmp_path):
-    job = launch.python(root / "scripts/12_monitor.py", ["--steps", "3", "--profile-step", "1",
-                        "--tb-dir", str(tmp_path / "tb")], results=True, echo=False,
-                        timeout_s=180)  # fmt: skip
+    job = launch.python(
+        root / "scripts/12_monitor.py",
+        ["--steps", "3", "--profile-step", "1", "--tb-dir", str(tmp_path / "tb")],
+        results=True,
+        echo=False,
+        timeout_s=180,
+    )
     r = job.results
     assert r["world_size"] == 1 and r["stragglers"] == [] and len(r["ranks"][0]) == 3
     assert set(r["profiles"][0]["sections_ms"]) == {"data", "forward", "backward"}
@@ -74,8 +88,13 @@ def test_monitored_barrier_runs_on_a_gloo_group(root):
 
 def test_the_monitored_lab_names_the_missing_rank(root):
     with pytest.raises(launch.LaunchError) as info:
-        launch.torchrun(root / "scripts/12_labs.py", ["--lab", "rank0_only", "--monitored",
-                        "--timeout-s", "4"], nproc=2, echo=False, timeout_s=120)  # fmt: skip
+        launch.torchrun(
+            root / "scripts/12_labs.py",
+            ["--lab", "rank0_only", "--monitored", "--timeout-s", "4"],
+            nproc=2,
+            echo=False,
+            timeout_s=120,
+        )
     assert re.search(r"Rank 1 failed to pass monitoredBarrier in \d+ ms", str(info.value.logs))
     time.sleep(0.5)
     assert _alive("12_labs.py") == []

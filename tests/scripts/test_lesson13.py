@@ -18,9 +18,14 @@ LAYOUTS = ["ddp", "fsdp", "tp", "tp+sp", "fsdp x tp", "hsdp", "pp x fsdp"]
 @pytest.fixture(scope="module")
 def suite(tmp_path_factory):
     folder = tmp_path_factory.mktemp("dcp")
-    job = launch.torchrun("scripts/13_gpt.py", ["--suite", "--dtype", "float64", "--steps", "5",
-                          "--checkpoint", str(folder)], nproc=4, results=True, echo=False,
-                          timeout_s=300)  # fmt: skip
+    job = launch.torchrun(
+        "scripts/13_gpt.py",
+        ["--suite", "--dtype", "float64", "--steps", "5", "--checkpoint", str(folder)],
+        nproc=4,
+        results=True,
+        echo=False,
+        timeout_s=300,
+    )
     return job.results
 
 
@@ -87,9 +92,13 @@ def test_global_token_count_fixes_the_padded_loss(suite):
 
 
 def test_one_process_with_check(root):
-    job = launch.python(root / "scripts/13_gpt.py", ["--steps", "3", "--check", "--sample", "8",
-                        "--d-model", "16", "--seq-len", "16"], results=True, echo=False,
-                        timeout_s=300)  # fmt: skip
+    job = launch.python(
+        root / "scripts/13_gpt.py",
+        ["--steps", "3", "--check", "--sample", "8", "--d-model", "16", "--seq-len", "16"],
+        results=True,
+        echo=False,
+        timeout_s=300,
+    )
     r = job.results
     assert r["param_gap"] == 0.0 and r["losses"] == r["ddp_losses"]
     assert len(r["sample"]) == len("ROMEO:") + 8  # the prompt and --sample 8 new bytes
@@ -100,11 +109,34 @@ def test_hsdp_from_the_command_line_trains_like_ddp(root):
     # --dp 4 --replicate 2: 2 replicas of 2 shards. float64, so HSDP and DDP differ only by
     # the order of their sums; the validation losses are checked equal on every rank by
     # the script itself.
-    job = launch.torchrun("scripts/13_gpt.py", ["--dp", "4", "--replicate", "2", "--check",
-                          "--dtype", "float64", "--steps", "4", "--eval-every", "2",
-                          "--batch-size", "1", "--d-model", "16", "--seq-len", "16",
-                          "--sample", "0"], nproc=4, results=True, echo=False,
-                          timeout_s=300)  # fmt: skip
+    job = launch.torchrun(
+        "scripts/13_gpt.py",
+        [
+            "--dp",
+            "4",
+            "--replicate",
+            "2",
+            "--check",
+            "--dtype",
+            "float64",
+            "--steps",
+            "4",
+            "--eval-every",
+            "2",
+            "--batch-size",
+            "1",
+            "--d-model",
+            "16",
+            "--seq-len",
+            "16",
+            "--sample",
+            "0",
+        ],
+        nproc=4,
+        results=True,
+        echo=False,
+        timeout_s=300,
+    )
     r = job.results
     assert r["layout"]["data"] == "hsdp"
     assert r["layout"]["mesh"] == {"pp": 1, "replicate": 2, "shard": 2, "tp": 1}
@@ -128,8 +160,7 @@ def test_tp_from_scratch_script_equals_one_process(root, nproc):
     if nproc == 1:
         job = launch.python(script, args, results=True, echo=False, timeout_s=120)
     else:
-        job = launch.torchrun(script, args, nproc=nproc, results=True, echo=False,
-                              timeout_s=180)  # fmt: skip
+        job = launch.torchrun(script, args, nproc=nproc, results=True, echo=False, timeout_s=180)
     r = job.results
     assert r["world_size"] == nproc
     for layout in ("TP", "TP+SP"):

@@ -17,9 +17,13 @@ TINY = ["--d-model", "16", "--seq-len", "16", "--batch-size", "2", "--sample", "
 
 @pytest.fixture(scope="module")
 def bf16():
-    return launch.python(SCRIPT, ["--dtype", "bfloat16", "--steps", "3",
-                         "--warmup", "1", *TINY], results=True, echo=False,
-                         timeout_s=300).results  # fmt: skip
+    return launch.python(
+        SCRIPT,
+        ["--dtype", "bfloat16", "--steps", "3", "--warmup", "1", *TINY],
+        results=True,
+        echo=False,
+        timeout_s=300,
+    ).results
 
 
 def test_bfloat16_keeps_float32_master_weights(bf16):
@@ -40,8 +44,9 @@ def test_only_the_steps_after_warmup_are_timed(bf16):
 
 
 def test_no_tokens_per_s_when_every_step_is_warm_up():
-    r = launch.python(SCRIPT, ["--steps", "2", "--warmup", "2", *TINY],
-                      results=True, echo=False, timeout_s=300).results  # fmt: skip
+    r = launch.python(
+        SCRIPT, ["--steps", "2", "--warmup", "2", *TINY], results=True, echo=False, timeout_s=300
+    ).results
     assert r["tokens_per_s"] is None and r["seconds"] is None and len(r["step_seconds"]) == 2
     assert r["tokens_per_s_skipped"] == "2 steps leave none after --warmup 2"
     assert r["master_dtypes"] == ["torch.float32"]

@@ -17,10 +17,21 @@ from ddp_course.harness import launch
 def test_memory_script_on_three_ranks(root):
     # 3 ranks: torch.chunk splits 32 rows into 11, 11 and 10 (256 into 86, 86 and 84), so
     # the ranks hold different amounts and the all-gathers pad.
-    args = ["--seq-len", "16", "--batch-size", "2", "--d-model", "32", "--n-layers", "3",
-            "--steps", "1"]  # fmt: skip
-    r = launch.torchrun(root / "scripts/14_memory.py", args, nproc=3, results=True,
-                        echo=False, timeout_s=240).results  # fmt: skip
+    args = [
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "2",
+        "--d-model",
+        "32",
+        "--n-layers",
+        "3",
+        "--steps",
+        "1",
+    ]
+    r = launch.torchrun(
+        root / "scripts/14_memory.py", args, nproc=3, results=True, echo=False, timeout_s=240
+    ).results
     assert r["world_size"] == 3
     rows = {row["policy"]: row for row in r["rows"]}
     assert list(rows) == list(recompute_policies.POLICIES)
@@ -44,8 +55,13 @@ def test_memory_script_on_three_ranks(root):
         assert rank["measured"]["gradient_dtypes"] == ["torch.float32"]
     ac = r["fsdp_ac"]
     run = {(row["order"], row["reshard_after_forward"]): row for row in ac["rows"]}
-    assert list(run) == [("no_ac", None), ("ac_then_fsdp", None), ("fsdp_then_ac", None),
-                         ("ac_around_root", None), ("no_ac", False)]  # fmt: skip
+    assert list(run) == [
+        ("no_ac", None),
+        ("ac_then_fsdp", None),
+        ("fsdp_then_ac", None),
+        ("ac_around_root", None),
+        ("no_ac", False),
+    ]
     for row in ac["rows"]:  # 3 blocks and the root
         assert row["forward_all_gathers"] == row["reduce_scatters"] == 4, row
         assert row["backward_all_gathers"] == (3 if row["reshard_after_forward"] is None else 0)

@@ -28,8 +28,19 @@ import torch.distributed.nn.functional as dist_nn
 from ddp_course import context_parallel as cp
 from ddp_course.harness import launch
 
-ARGS = ["--batch-size", "2", "--n-heads", "2", "--t-local", "4", "--head-dim", "4",
-        "--chunks", "1", "4"]  # fmt: skip
+ARGS = [
+    "--batch-size",
+    "2",
+    "--n-heads",
+    "2",
+    "--t-local",
+    "4",
+    "--head-dim",
+    "4",
+    "--chunks",
+    "1",
+    "4",
+]
 SHAPE = (2, 2, 4, 4)
 
 
@@ -111,16 +122,23 @@ def check_trap(r):
 
 
 def test_context_parallel_as_plain_python(root):
-    r = launch.python(root / "scripts/15_context_parallel.py", ARGS, results=True, echo=False,
-                      timeout_s=120).results  # fmt: skip
+    r = launch.python(
+        root / "scripts/15_context_parallel.py", ARGS, results=True, echo=False, timeout_s=120
+    ).results
     check(r, 1)
     assert r["ulysses_refused"] is None  # one rank divides any number of heads
 
 
 @pytest.mark.parametrize("p", [2])
 def test_context_parallel_on_two_ranks(root, p):
-    r = launch.torchrun(root / "scripts/15_context_parallel.py", ARGS, nproc=p, results=True,
-                        echo=False, timeout_s=180).results  # fmt: skip
+    r = launch.torchrun(
+        root / "scripts/15_context_parallel.py",
+        ARGS,
+        nproc=p,
+        results=True,
+        echo=False,
+        timeout_s=180,
+    ).results
     check(r, p)
     assert max(r["mistakes"]["documents ignored"].values()) > 0.1  # rank 0 alone: k, v grads
     assert max(r["mistakes"]["causal mask per chunk"].values()) > 0.1
@@ -139,11 +157,18 @@ def test_context_parallel_on_two_ranks(root, p):
 def test_moe_script_equals_one_process_and_counts_bytes(root, run):
     args = ["--tokens", "8", "--steps", "3"]
     if run == "python":
-        job = launch.python(root / "scripts/15_moe.py", args, results=True, echo=False,
-                            timeout_s=120)  # fmt: skip
+        job = launch.python(
+            root / "scripts/15_moe.py", args, results=True, echo=False, timeout_s=120
+        )
     else:  # 4 ranks: expert parallel over all 4, then EP x DP as a 2 x 2 mesh
-        job = launch.torchrun(root / "scripts/15_moe.py", [*args, "--ep-ranks", "2"], nproc=4,
-                              results=True, echo=False, timeout_s=240)  # fmt: skip
+        job = launch.torchrun(
+            root / "scripts/15_moe.py",
+            [*args, "--ep-ranks", "2"],
+            nproc=4,
+            results=True,
+            echo=False,
+            timeout_s=240,
+        )
     r = job.results
     assert r["world_size"] == (1 if run == "python" else 4)
     check_exchanges(r["exchanges"], r["world_size"], d_model=16)
@@ -181,8 +206,10 @@ def check_exchanges(e, n, d_model):
         for p in rows[name]["per_rank"]:
             assert p["measured_bytes_to_others"] == [p["padded_bytes_to_others"]] * 4
             assert "torch.int64" not in p["all_to_alls"]  # sizes from shapes: no count exchange
-    sent = {name: sum(p["measured_bytes_to_others"][0] for p in row["per_rank"])
-            for name, row in rows.items()}  # fmt: skip
+    sent = {
+        name: sum(p["measured_bytes_to_others"][0] for p in row["per_rank"])
+        for name, row in rows.items()
+    }
     if n > 1:  # the padded buffers move more than the routed rows
         assert sent["padded, no drops"] > sent["dropless"] > 0
     no_drops = rows["padded, no drops"]["per_rank"][0]
@@ -199,8 +226,11 @@ def check_ep_dp(g, n):
     if n == 4:
         # Rows {0, 1} and {2, 3} hold experts 0-1 and 2-3; columns replicate them.
         assert [(x["ep_rank"], x["dp_rank"], x["experts"]) for x in g["layout"]] == [
-            (0, 0, [0, 1]), (1, 0, [2, 3]), (0, 1, [0, 1]), (1, 1, [2, 3])
-        ]  # fmt: skip
+            (0, 0, [0, 1]),
+            (1, 0, [2, 3]),
+            (0, 1, [0, 1]),
+            (1, 1, [2, 3]),
+        ]
         assert right["all_reduces"] == {"dp": 8, "dp+ep": 1}  # 8 expert tensors, 1 router
         for wrong in ("over the EP group", "not over the DP group"):
             assert g["diffs"][wrong]["experts"] > 1e-3, wrong

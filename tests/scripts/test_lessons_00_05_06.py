@@ -8,16 +8,24 @@ from ddp_course.harness import launch
 from ddp_course.harness.failures import torchrun_summary
 
 TINY = ["--epochs", "1", "--max-steps", "5", "--no-progress", "--batch-size", "16"]
-RESULT_KEYS = {"world_size", "epochs", "train_loss", "test_accuracy", "test_samples",
-               "samples_per_s", "wall_s"}  # fmt: skip
+RESULT_KEYS = {
+    "world_size",
+    "epochs",
+    "train_loss",
+    "test_accuracy",
+    "test_samples",
+    "samples_per_s",
+    "wall_s",
+}
 
 
 def test_fail_on_rank_names_the_rank(root, capsys):
     # echo=True: torchrun's own summary is printed too; the error keeps it as well
     # (LaunchError.output), where notebook 00's exercise 3 reads it.
     with pytest.raises(launch.LaunchError) as info:
-        launch.torchrun(root / "scripts/00_fail_on_rank.py", ["--rank", "0"], nproc=2,
-                        echo=True, timeout_s=120)  # fmt: skip
+        launch.torchrun(
+            root / "scripts/00_fail_on_rank.py", ["--rank", "0"], nproc=2, echo=True, timeout_s=120
+        )
     assert info.value.rank == 0
     blamed, times = torchrun_summary(capsys.readouterr().out)
     # Rank 0 fails first, so torchrun lists it first and names it even on a tie in seconds.

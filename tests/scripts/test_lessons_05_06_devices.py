@@ -113,10 +113,15 @@ def test_lesson05_reference_and_ranks_get_the_same_device(gpus, tmp_path, monkey
     nproc = _parameter(nb, "NPROC")
     recorder = _Recorder(gpus)
     namespace = {
-        "launch": recorder, "BUILD": tmp_path, "CHECK_STEPS": 1, "SGD_LR": 0.1, "LR": 0.1,
-        "NPROC": nproc, "SmallCNN": lambda dropout: torch.nn.Linear(1, 1),
+        "launch": recorder,
+        "BUILD": tmp_path,
+        "CHECK_STEPS": 1,
+        "SGD_LR": 0.1,
+        "LR": 0.1,
+        "NPROC": nproc,
+        "SmallCNN": lambda dropout: torch.nn.Linear(1, 1),
         "load_checkpoint": lambda path, model: None,
-    }  # fmt: skip
+    }
     exec(_function(nb, "short_run"), namespace)
     namespace["short_run"]("reference", nproc=1, batch_size=2 * nproc)
     namespace["short_run"]("ranks", nproc=nproc, batch_size=2)

@@ -98,8 +98,7 @@ def test_the_hooks_form_keeps_handles_and_checks_the_rerun():
         y.sum().backward()
 
 
-CFG = {"d_model": 32, "n_heads": 4, "n_layers": 3, "seq_len": 16, "dropout": 0.1,
-       "flash": False}  # fmt: skip
+CFG = {"d_model": 32, "n_heads": 4, "n_layers": 3, "seq_len": 16, "dropout": 0.1, "flash": False}
 
 
 def model_step(policy, impl="ours"):

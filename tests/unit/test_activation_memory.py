@@ -111,8 +111,7 @@ def test_korthikanti_formula_is_the_sum_of_its_terms():
         assert sum(t.bytes for t in terms) - small == am.korthikanti_block_bytes(s, b, 1024, 16)
 
 
-CFG = {"d_model": D, "n_heads": HEADS, "n_layers": 3, "seq_len": 32, "dropout": 0.1,
-       "flash": False}  # fmt: skip
+CFG = {"d_model": D, "n_heads": HEADS, "n_layers": 3, "seq_len": 32, "dropout": 0.1, "flash": False}
 
 
 def held_bytes(cfg, batch, seq, policy):
@@ -153,8 +152,10 @@ def test_fit_micro_batch_by_its_two_objectives():
     policy, batch, step = step_budget.fit_micro_batch(CFG, budget, 32)
     assert step.total <= budget
     assert step_budget.predict_step(CFG, batch + 1, 32, policy).total > budget
-    largest = {p: step_budget.fit_micro_batch(CFG, budget, 32, policies=(p,))[1]
-               for p in ("none", "every_other_block", "every_block")}  # fmt: skip
+    largest = {
+        p: step_budget.fit_micro_batch(CFG, budget, 32, policies=(p,))[1]
+        for p in ("none", "every_other_block", "every_block")
+    }
     assert batch == max(largest.values()) == largest[policy] and policy == "every_block"
     # The cheapest policy that fits a target: the first listed whose largest batch reaches it.
     for target in range(1, batch + 1):
@@ -184,8 +185,14 @@ def test_saved_bytes_are_whole_storages(policy):
     # What an allocator holds for the saved tensors is their storages, whole: the hooks'
     # count (each storage once, views free) equals the storages' sizes, so on a GPU the
     # allocator after forward differs from it only by its rounding (tests/gpu/).
-    cfg = {"d_model": D, "n_heads": HEADS, "n_layers": 2, "seq_len": 16, "dropout": 0.1,
-           "flash": False}  # fmt: skip
+    cfg = {
+        "d_model": D,
+        "n_heads": HEADS,
+        "n_layers": 2,
+        "seq_len": 16,
+        "dropout": 0.1,
+        "flash": False,
+    }
     x = torch.randint(0, 256, (2, 16))
     runs = []
     for hooks in ("counter", "storages"):

@@ -6,8 +6,9 @@ import pytest
 
 from ddp_course import step_budget
 
-TERMS = dict(activations=10_000, recompute=3_000, gradients=2_000, logits=1_000, largest=500,
-             tensors=4)  # fmt: skip
+TERMS = dict(
+    activations=10_000, recompute=3_000, gradients=2_000, logits=1_000, largest=500, tensors=4
+)
 
 
 def test_the_bound_from_its_terms():

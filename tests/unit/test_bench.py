@@ -158,9 +158,13 @@ def test_time_interleaved_rotates_the_order_and_skips_inactive_settings():
     settings = {name: (lambda name=name: order.append(name)) for name in "abc"}
     progress = []
     times = time_interleaved(
-        settings, DistContext(), warmup=1, repeats=3,
-        active=lambda name: name != "c", progress=lambda: progress.append(1),
-    )  # fmt: skip
+        settings,
+        DistContext(),
+        warmup=1,
+        repeats=3,
+        active=lambda name: name != "c",
+        progress=lambda: progress.append(1),
+    )
     assert order[:2] == ["a", "b"]  # warm-up, "c" inactive
     assert order[2:] == ["a", "b", "b", "a", "a", "b"]  # abc, bca, cab without c
     assert {k: len(v) for k, v in times.items()} == {"a": 3, "b": 3, "c": 3} and len(progress) == 9
@@ -181,13 +185,20 @@ def test_slowest_rank_takes_the_maximum_per_iteration():
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_every_collective_fit_gives_its_busbw_plateau(n):
     # Synthetic sweeps with known latency and algbw per collective, as the benchmark records them.
-    truth = {"all_reduce": (300e-6, 1.0e9), "all_gather": (200e-6, 2.0e9),
-             "reduce_scatter": (250e-6, 1.5e9), "broadcast": (100e-6, 3.0e9),
-             "all_to_all": (400e-6, 0.5e9)}  # fmt: skip
+    truth = {
+        "all_reduce": (300e-6, 1.0e9),
+        "all_gather": (200e-6, 2.0e9),
+        "reduce_scatter": (250e-6, 1.5e9),
+        "broadcast": (100e-6, 3.0e9),
+        "all_to_all": (400e-6, 0.5e9),
+    }
     assert set(truth) == set(COLLECTIVES)
     sizes = message_sizes(4096, 64 * 2**20)
-    rows = [{"collective": c, "bytes": s, "median_s": a + s / bw}
-            for c, (a, bw) in truth.items() for s in sizes]  # fmt: skip
+    rows = [
+        {"collective": c, "bytes": s, "median_s": a + s / bw}
+        for c, (a, bw) in truth.items()
+        for s in sizes
+    ]
     fits = fit_each(rows)
     assert list(fits) == list(truth)
     for c, (a, bw) in truth.items():

@@ -142,8 +142,9 @@ def test_no_rank_reads_the_checkpoint_before_it_is_complete(tmp_path):
     worker = tmp_path / "read_at_once.py"
     worker.write_text(_READ_AT_ONCE)
     path = tmp_path / "ckpt" / "model.pt"
-    job = launch.torchrun(worker, [str(path)], nproc=2, gpus=0, results=True, echo=False,
-                          timeout_s=180)  # fmt: skip
+    job = launch.torchrun(
+        worker, [str(path)], nproc=2, gpus=0, results=True, echo=False, timeout_s=180
+    )
     assert len(job.results["ranks"]) == 2
     for extra, same in job.results["ranks"]:
         assert extra == {"epoch": 7} and same  # the whole checkpoint, on every rank

@@ -40,8 +40,9 @@ def test_merge_of_blocks_equals_sdpa():
             torch.testing.assert_close(
                 cp.blockwise_attention(q, k, v, chunks, causal),
                 F.scaled_dot_product_attention(q, k, v, is_causal=causal),
-                rtol=1e-12, atol=1e-12,
-            )  # fmt: skip
+                rtol=1e-12,
+                atol=1e-12,
+            )
 
 
 def test_merge_without_the_correction_is_wrong():
@@ -69,8 +70,9 @@ def test_document_mask_equals_per_document_attention():
     got = cp.reference_attention(q, k, v, causal=True, document_ids=docs)
     for d in range(3):
         idx = (docs == d).nonzero().flatten()
-        alone = F.scaled_dot_product_attention(q[:, :, idx], k[:, :, idx], v[:, :, idx],
-                                               is_causal=True)  # fmt: skip
+        alone = F.scaled_dot_product_attention(
+            q[:, :, idx], k[:, :, idx], v[:, :, idx], is_causal=True
+        )
         torch.testing.assert_close(got[:, :, idx], alone, rtol=1e-12, atol=1e-12)
 
 
@@ -107,8 +109,7 @@ def test_step_work_and_load_balance():
     # Every step has a rank with a full block: the lockstep bound is the busiest rank.
     assert lb["lockstep_over_mean"] == pytest.approx(lb["busiest_over_mean"])
     zig = cp.load_balance(cp.ring_step_work(p, t, "zigzag"))
-    assert zig == {"busiest_over_idlest": 1.0, "busiest_over_mean": 1.0,
-                   "lockstep_over_mean": 1.0}  # fmt: skip
+    assert zig == {"busiest_over_idlest": 1.0, "busiest_over_mean": 1.0, "lockstep_over_mean": 1.0}
     docs = torch.arange(p * t) // 8  # documents inside chunks: ranks idle after step 0
     assert cp.load_balance(cp.ring_step_work(p, t, document_ids=docs))["busiest_over_mean"] == 1
 
@@ -138,8 +139,14 @@ def test_no_public_name_means_one_thing_here_and_another_elsewhere():
     # The ring's Tile, ring_attention_schedule, ring_attention_bytes and PLACEMENTS once
     # shared their names with models.Block, collectives.ring_schedule,
     # comm_cost.ring_bytes and mesh_layouts.LAYOUTS.
-    for name in ("models", "collectives", "comm_cost", "mesh_layouts", "sequence_parallel",
-                 "tensor_parallel"):  # fmt: skip
+    for name in (
+        "models",
+        "collectives",
+        "comm_cost",
+        "mesh_layouts",
+        "sequence_parallel",
+        "tensor_parallel",
+    ):
         module = importlib.import_module(f"ddp_course.{name}")
         assert not set(cp.__all__) & set(module.__all__), name
 

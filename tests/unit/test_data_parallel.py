@@ -197,12 +197,23 @@ def test_torch_dataparallel_is_a_pass_through_on_cpu():
 def test_script_trains_with_threads(root, tmp_path):
     result = python(
         root / "scripts" / "02_train_dp.py",
-        ["--epochs", "1", "--max-steps", "3", "--batch-size", "16", "--replicas", "2",
-         "--no-progress", "--checkpoint", str(tmp_path / "dp.pt")],
+        [
+            "--epochs",
+            "1",
+            "--max-steps",
+            "3",
+            "--batch-size",
+            "16",
+            "--replicas",
+            "2",
+            "--no-progress",
+            "--checkpoint",
+            str(tmp_path / "dp.pt"),
+        ],
         results=True,
         echo=False,
         timeout_s=120,
-    )  # fmt: skip
+    )
     res = result.results
     assert res["impl"].endswith("DataParallel") and len(res["devices"]) == 2
     # The device rule: one GPU per replica, or CPU threads (never two replicas on a GPU).
@@ -220,8 +231,12 @@ def test_script_trains_with_threads(root, tmp_path):
     assert len(res["step_wall_s"]) == 2  # the intervals between 3 training forward passes
     if res["impl"] == "ddp_course.data_parallel.DataParallel":
         assert set(res["step_seconds"]) == {
-            "scatter", "replicate", "parallel_apply", "gather", "reduce"
-        }  # fmt: skip
+            "scatter",
+            "replicate",
+            "parallel_apply",
+            "gather",
+            "reduce",
+        }
     # A portable checkpoint: no "module." prefix, loads into a plain model.
     state = torch.load(tmp_path / "dp.pt", weights_only=True)
     assert not any(k.startswith("module.") for k in state["model"])

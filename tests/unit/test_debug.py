@@ -41,10 +41,18 @@ def test_models_differ_without_a_group_is_empty():
 
 
 def _entry(seq, op, sizes, line, p2p=False):
-    return {"collective_seq_id": seq, "profiling_name": f"gloo:{op}", "input_sizes": sizes,
-            "state": "scheduled", "is_p2p": p2p, "process_group": ("0", "default_pg"),
-            "frames": [{"name": op, "filename": "/x/torch/distributed/c10d.py", "line": 1},
-                       {"name": "<module>", "filename": "/x/train.py", "line": line}]}  # fmt: skip
+    return {
+        "collective_seq_id": seq,
+        "profiling_name": f"gloo:{op}",
+        "input_sizes": sizes,
+        "state": "scheduled",
+        "is_p2p": p2p,
+        "process_group": ("0", "default_pg"),
+        "frames": [
+            {"name": op, "filename": "/x/torch/distributed/c10d.py", "line": 1},
+            {"name": "<module>", "filename": "/x/train.py", "line": line},
+        ],
+    }
 
 
 def _write(folder, rank, entries):
@@ -55,11 +63,18 @@ def test_first_divergence_names_the_collective_and_the_missing_rank(tmp_path):
     _write(tmp_path, 0, [_entry(1, "all_reduce", [[4]], 10), _entry(2, "barrier", [[1]], 12)])
     _write(tmp_path, 1, [_entry(1, "all_reduce", [[4]], 10), _entry(0, "send", [[1]], 9, True)])
     traces = debug.read_flight_recorder(tmp_path)
-    assert traces[0][1] == {"seq": 2, "op": "barrier", "sizes": [[1]], "state": "scheduled",
-                            "where": "train.py:12"}  # fmt: skip
+    assert traces[0][1] == {
+        "seq": 2,
+        "op": "barrier",
+        "sizes": [[1]],
+        "state": "scheduled",
+        "where": "train.py:12",
+    }
     assert len(traces[1]) == 1  # point-to-point entries are left out
     assert debug.first_divergence(traces) == {
-        "seq": 2, "calls": {0: "barrier [[1]] at train.py:12", 1: None}}  # fmt: skip
+        "seq": 2,
+        "calls": {0: "barrier [[1]] at train.py:12", 1: None},
+    }
     _write(tmp_path, 1, [_entry(1, "all_reduce", [[5]], 10), _entry(2, "barrier", [[1]], 12)])
     assert debug.first_divergence(debug.read_flight_recorder(tmp_path))["seq"] == 1  # sizes
     _write(tmp_path, 1, [_entry(1, "all_reduce", [[4]], 10), _entry(2, "barrier", [[1]], 12)])
@@ -189,7 +204,6 @@ def test_flight_recorder_is_on_by_default_and_keeps_2000_collectives(tmp_path):
         "dist.destroy_process_group()\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_FR_")}
-    subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, check=True,
-                   timeout=120)  # fmt: skip
+    subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, check=True, timeout=120)
     seqs = [e["seq"] for e in debug.read_flight_recorder(tmp_path)[0]]
     assert len(seqs) == 2000 and seqs[-1] == 2010  # the newest 2000 of 2010

@@ -258,9 +258,12 @@ def test_the_dropless_split_sizes_reach_the_host_before_the_rows_travel(monkeypa
             layer(moe(2, float("inf")), 0, 1)(x)
             seen[layer] = list(events)
     assert seen[ep.ExpertParallelMoE] == [
-        "all_to_all torch.int64", "tolist", "tolist",
-        "all_to_all torch.float64", "all_to_all torch.float64",
-    ]  # fmt: skip
+        "all_to_all torch.int64",
+        "tolist",
+        "tolist",
+        "all_to_all torch.float64",
+        "all_to_all torch.float64",
+    ]
     assert seen[dropless.PaddedExpertParallelMoE] == ["all_to_all torch.float64"] * 2
 
 

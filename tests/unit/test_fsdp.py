@@ -35,8 +35,9 @@ def fake_ranks(rank, world_size=4):
 def make(dtype=torch.float64):
     # Rows 5, 3 and 1 over 4 ranks: 2+2+1+0, 1+1+1+0, 1+0+0+0 (shards empty on some ranks).
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3), nn.Tanh(),
-                         nn.Linear(3, 1)).to(dtype)  # fmt: skip
+    return nn.Sequential(
+        nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3), nn.Tanh(), nn.Linear(3, 1)
+    ).to(dtype)
 
 
 def wrap(net, **kwargs):
@@ -64,9 +65,10 @@ def test_shards_are_the_rows_fully_shard_keeps(rank):
             assert model.row_ranges()[name] == partition(p.shape[0], 4, "padded")[rank]
     # The optimizer sees the shards: AdamW's state is of the shard's size.
     assert [tuple(s.shape) for s in shards.values()] == (
-        [(2, 6), (2,), (1, 5), (1,), (1, 3), (1,)] if rank == 0
+        [(2, 6), (2,), (1, 5), (1,), (1, 3), (1,)]
+        if rank == 0
         else [(0, 6), (0,), (0, 5), (0,), (0, 3), (0,)]
-    )  # fmt: skip
+    )
 
 
 def one_step(model, x):
@@ -84,8 +86,9 @@ def test_a_step_calls_what_the_formula_and_fully_shard_call(reshard, compute_dty
 
     x = torch.randn(4, 6)
     with fake_ranks(1):
-        model = wrap(make(torch.float32), reshard_after_forward=reshard,
-                     compute_dtype=compute_dtype)  # fmt: skip
+        model = wrap(
+            make(torch.float32), reshard_after_forward=reshard, compute_dtype=compute_dtype
+        )
         mine = one_step(model, x)
         theirs = make(torch.float32)
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
@@ -100,16 +103,21 @@ def test_a_step_calls_what_the_formula_and_fully_shard_call(reshard, compute_dty
     assert (len(gathers), sum(gathers)) == (traffic.all_gathers, traffic.all_gather_bytes)
     assert (len(scatters), sum(scatters)) == (traffic.reduce_scatters, traffic.reduce_scatter_bytes)
     # Units 0 and 2 (rows padded to 8 and 4), the root's Linear(3, 1) (1 row padded to 4).
-    padded = [unit_numel([torch.Size([5, 6]), torch.Size([5])], 4),
-              unit_numel([torch.Size([3, 5]), torch.Size([3])], 4), 4 * 3 + 4]  # fmt: skip
+    padded = [
+        unit_numel([torch.Size([5, 6]), torch.Size([5])], 4),
+        unit_numel([torch.Size([3, 5]), torch.Size([3])], 4),
+        4 * 3 + 4,
+    ]
     assert padded == [8 * 6 + 8, 4 * 5 + 4, 16]
     wire = 2 if compute_dtype else 4  # cast before the all-gather: half of float32's bytes
     gathered_twice = padded[:2] if reshard else []
     assert sorted(gathers) == sorted(wire * n for n in padded + gathered_twice)
     assert sorted(scatters) == sorted(4 * n for n in padded)  # always the parameters' float32
     dtypes = {op: {d for o, _, d in mine if o == op} for op in ("all_gather", "reduce_scatter")}
-    assert dtypes == {"all_gather": {str(compute_dtype or torch.float32)},
-                      "reduce_scatter": {"torch.float32"}}  # fmt: skip
+    assert dtypes == {
+        "all_gather": {str(compute_dtype or torch.float32)},
+        "reduce_scatter": {"torch.float32"},
+    }
 
 
 def test_full_weights_exist_only_while_their_unit_runs():
@@ -138,8 +146,10 @@ def test_full_weights_exist_only_while_their_unit_runs():
         assert kept.gathered_bytes() == 0
 
 
-OPTIMIZERS = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
-              "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01)}  # fmt: skip
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01),
+}
 
 
 def train_both(plain, model, optimizer, steps=3, casts=None):
@@ -180,8 +190,15 @@ def test_one_rank_trains_like_one_process(optimizer, compute_dtype):
 def make_tied():
     # Two Linear(5, 5) sharing one weight (their biases apart).
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 5), nn.Tanh(),
-                        nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 1)).double()  # fmt: skip
+    net = nn.Sequential(
+        nn.Linear(6, 5),
+        nn.Tanh(),
+        nn.Linear(5, 5),
+        nn.Tanh(),
+        nn.Linear(5, 5),
+        nn.Tanh(),
+        nn.Linear(5, 1),
+    ).double()
     net[4].weight = net[2].weight
     return net
 

@@ -26,9 +26,13 @@ def groups_script():
 
 
 def listening(port: int) -> list[str]:
-    return sorted({c.laddr.ip for c in psutil.net_connections(kind="tcp")
-                   if c.status == psutil.CONN_LISTEN and c.pid == os.getpid()
-                   and c.laddr.port == port})  # fmt: skip
+    return sorted(
+        {
+            c.laddr.ip
+            for c in psutil.net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN and c.pid == os.getpid() and c.laddr.port == port
+        }
+    )
 
 
 @pytest.mark.listens_everywhere("shows that a plain TCPStore does")
@@ -48,8 +52,7 @@ def test_tcp_init_shares_the_loopback_store(groups_script):
     server = groups_script.serve_on_loopback(port)
     assert groups_script.listens_on(port) == listening(port) == ["127.0.0.1"]
     # torch's tcp:// store on rank 0 would fail to listen if it did not share the server.
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                            world_size=1)  # fmt: skip
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
         assert listening(port) == ["127.0.0.1"]  # while the group is up
         t = torch.ones(2)

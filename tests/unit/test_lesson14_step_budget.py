@@ -13,8 +13,7 @@ from ddp_course.data import lm_batch, shakespeare_bytes
 from ddp_course.models import TinyGPT, lm_loss
 from ddp_course.tools.peak_memory import measured_step_bytes
 
-CFG = {"d_model": 32, "n_heads": 4, "n_layers": 3, "seq_len": 32, "dropout": 0.1,
-       "flash": False}  # fmt: skip
+CFG = {"d_model": 32, "n_heads": 4, "n_layers": 3, "seq_len": 32, "dropout": 0.1, "flash": False}
 
 
 def measured(batch, policy, seq=32):

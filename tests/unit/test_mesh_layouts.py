@@ -95,15 +95,20 @@ def test_collective_formula_on_the_2_block_model():
     # 3 FSDP units (2 blocks + root): gathered for forward; the blocks again for backward
     # (the root stays gathered: PyTorch's default for the root).
     assert counts["forward"] == {"all_gather shard": 3, "all_reduce tp": 4}
-    assert counts["backward"] == {"all_gather shard": 2, "reduce_scatter shard": 3,
-                                  "all_reduce tp": 9}  # fmt: skip
+    assert counts["backward"] == {
+        "all_gather shard": 2,
+        "reduce_scatter shard": 3,
+        "all_reduce tp": 9,
+    }
     kept = predict.expected_collectives(ml.layout("fsdp x tp"), 2, reshard_after_forward=False)
     assert "all_gather shard" not in kept["backward"]
     # DDP: one all-reduce per gradient bucket over replicate, and the second step starts
     # with the rebuilt bucket order broadcast; HSDP: one all-reduce per unit.
     assert predict.expected_collectives(ml.layout("ddp"), 2) == {
-        "forward": {"broadcast replicate": 2}, "backward": {"all_reduce replicate": 1},
-        "loss": {}}  # fmt: skip
+        "forward": {"broadcast replicate": 2},
+        "backward": {"all_reduce replicate": 1},
+        "loss": {},
+    }
     later = predict.expected_collectives(ml.layout("ddp"), 2, rebuilt_buckets=False)
     assert later["forward"] == {}
     hsdp = predict.expected_collectives(ml.layout("hsdp"), 2)["backward"]
@@ -111,9 +116,16 @@ def test_collective_formula_on_the_2_block_model():
     # The pipeline: one phase; each block gathered per micro-batch and once in backward;
     # per micro-batch one send and one receive per neighbouring stage.
     pp = predict.expected_collectives(ml.layout("pp x fsdp"), 2, microbatches=2)
-    assert pp == {"step": {"all_gather shard": 4, "reduce_scatter shard": 2,
-                           "all_reduce pp": 1, "all_reduce shard": 1,
-                           "send pp": 2, "recv pp": 2}}  # fmt: skip
+    assert pp == {
+        "step": {
+            "all_gather shard": 4,
+            "reduce_scatter shard": 2,
+            "all_reduce pp": 1,
+            "all_reduce shard": 1,
+            "send pp": 2,
+            "recv pp": 2,
+        }
+    }
     middle = predict.expected_collectives(ml.Layout("x", pp=4, dp=1), 4, microbatches=3, stage=1)
     assert middle["step"]["send pp"] == middle["step"]["recv pp"] == 6
     # pp x tp: the tp all-reduces per micro-batch; the last stage gathers its logits

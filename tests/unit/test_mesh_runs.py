@@ -46,6 +46,9 @@ def test_mfu_is_computed_only_for_a_timed_bfloat16_run_on_a_known_gpu():
     }
     got = mfu_fields(4e5, 4, H100, "bfloat16", None, 6e8)
     peak = flops.peak_bf16_flops(H100)
-    assert got == {"mfu": pytest.approx(6e8 * 1e5 / peak), "flops_per_token": 6e8,
-                   "peak_flops": peak}  # fmt: skip
+    assert got == {
+        "mfu": pytest.approx(6e8 * 1e5 / peak),
+        "flops_per_token": 6e8,
+        "peak_flops": peak,
+    }
     assert mfu_fields(4e5, 4, "Some GPU", "bfloat16", 1e15, 6e8)["peak_flops"] == 1e15

@@ -36,8 +36,10 @@ def test_gather_without_a_group_is_this_ranks_rows():
 
 
 def _per_rank():
-    return [[{"step": s, "step_time_s": 0.1 * (r + 1) + s, "loss": 1.0 / (s + 1)} for s in range(3)]
-            for r in range(2)]  # fmt: skip
+    return [
+        [{"step": s, "step_time_s": 0.1 * (r + 1) + s, "loss": 1.0 / (s + 1)} for s in range(3)]
+        for r in range(2)
+    ]
 
 
 def test_json_round_trip(tmp_path):
@@ -70,9 +72,12 @@ def test_find_stragglers():
 
 @pytest.mark.parametrize(
     ("times", "kwargs", "match"),
-    [([[0.1]], {}, "at least 2 ranks"), ([[0.1], []], {}, "at least one step"),
-     ([[0.1], [0.1]], {"factor": 1.0}, "factor > 1")],
-)  # fmt: skip
+    [
+        ([[0.1]], {}, "at least 2 ranks"),
+        ([[0.1], []], {}, "at least one step"),
+        ([[0.1], [0.1]], {"factor": 1.0}, "factor > 1"),
+    ],
+)
 def test_find_stragglers_rejects_bad_input(times, kwargs, match):
     with pytest.raises(ValueError, match=match):
         monitor.find_stragglers(times, **kwargs)

@@ -23,9 +23,18 @@ def test_cards_that_share_a_substring_get_different_peaks():
 
 
 @pytest.mark.parametrize(
-    "name", ["NVIDIA RTX A1000", "NVIDIA RTX A1000 6GB Laptop GPU", "H100", "NVIDIA A10G",
-             "NVIDIA GeForce RTX 4090", "NVIDIA L40S-48C", "NVIDIA GH200 480GB", ""],
-)  # fmt: skip
+    "name",
+    [
+        "NVIDIA RTX A1000",
+        "NVIDIA RTX A1000 6GB Laptop GPU",
+        "H100",
+        "NVIDIA A10G",
+        "NVIDIA GeForce RTX 4090",
+        "NVIDIA L40S-48C",
+        "NVIDIA GH200 480GB",
+        "",
+    ],
+)
 def test_an_unknown_or_partial_name_has_no_peak(name):
     assert flops.peak_bf16_flops(name) is None
 

@@ -19,8 +19,10 @@ BF16_ROUNDING = 2.0**-8  # 8 significant bits: rounding x moves it by at most 2^
 def beyond_one_rounding(accumulate_dtype, t=256, layout="contiguous"):
     """Most that |ring - exact| goes past 2^-8 |exact|, for the output and dq, dk, dv."""
     gen = torch.Generator().manual_seed(0)
-    q, k, v, grad = (torch.randn(2, 4, t, 16, generator=gen, dtype=torch.float64)
-                     .to(torch.bfloat16).double() for _ in range(4))  # fmt: skip
+    q, k, v, grad = (
+        torch.randn(2, 4, t, 16, generator=gen, dtype=torch.float64).to(torch.bfloat16).double()
+        for _ in range(4)
+    )
     ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
     ref = cp.reference_attention(*ref_in, causal=True)
     (ref * grad).sum().backward()

@@ -27,9 +27,13 @@ def test_equals_torch_distributed_sampler(shuffle, drop_last):
     for n, world, seed, epoch in itertools.product(SIZES, WORLD_SIZES, [0, 7], [0, 1, 5]):
         for rank in range(world):
             theirs = TorchSampler(
-                range(n), num_replicas=world, rank=rank, shuffle=shuffle, seed=seed,
+                range(n),
+                num_replicas=world,
+                rank=rank,
+                shuffle=shuffle,
+                seed=seed,
                 drop_last=drop_last,
-            )  # fmt: skip
+            )
             theirs.set_epoch(epoch)
             ours = DistributedSampler(n, world, rank, shuffle, seed, drop_last)
             ours.set_epoch(epoch)
@@ -133,8 +137,10 @@ def test_class_balanced_weights():
 def test_weighted_sampler_balances_classes_across_ranks():
     weights = class_balanced_weights(IMBALANCED)
     world, draws = 3, 3000
-    parts = [list(WeightedDistributedSampler(weights, world, r, num_samples=draws, seed=2))
-             for r in range(world)]  # fmt: skip
+    parts = [
+        list(WeightedDistributedSampler(weights, world, r, num_samples=draws, seed=2))
+        for r in range(world)
+    ]
     assert all(len(p) == draws // world for p in parts)
     # The ranks' draws are disjoint slices of one global draw.
     gen = torch.Generator().manual_seed(2)

@@ -22,8 +22,12 @@ def test_one_rank_is_the_plain_attention_and_block(flash):
     x = torch.randn(2, 8, 16, dtype=torch.float64)
     torch.testing.assert_close(ParallelAttention(block.attn, 0, 1)(x), block.attn(x))
     for seq_par in (False, True):
-        torch.testing.assert_close(sp.ParallelBlock(block, 0, 1, sequence_parallel=seq_par)(x),
-                                   block(x), rtol=1e-12, atol=1e-12)  # fmt: skip
+        torch.testing.assert_close(
+            sp.ParallelBlock(block, 0, 1, sequence_parallel=seq_par)(x),
+            block(x),
+            rtol=1e-12,
+            atol=1e-12,
+        )
 
 
 def test_one_rank_gpt_is_tinygpt_with_the_same_names():

@@ -63,9 +63,14 @@ def test_overlap_of_a_hand_made_trace():
 def test_slim_trace_keeps_labels_comm_and_thread_names(tmp_path):
     thread = {"ph": "M", "name": "thread_name", "pid": 7, "tid": 2, "args": {"name": "x"}}
     bw = "autograd::engine::evaluate_function: MmBackward0"
-    events = [ev("backward", 0, 100), ev(bw, 0, 90, cat="cpu_op"),
-              ev("gloo:all_reduce", 60, 60, tid=2), ev("aten::mm", 1, 2, cat="cpu_op"),
-              ev("Optimizer.step#SGD.step", 1, 2), thread]  # fmt: skip
+    events = [
+        ev("backward", 0, 100),
+        ev(bw, 0, 90, cat="cpu_op"),
+        ev("gloo:all_reduce", 60, 60, tid=2),
+        ev("aten::mm", 1, 2, cat="cpu_op"),
+        ev("Optimizer.step#SGD.step", 1, 2),
+        thread,
+    ]
     slim = slim_trace(events)
     names = [e["name"] for e in slim["traceEvents"]]
     assert names == ["backward", bw, "gloo:all_reduce", "thread_name"]

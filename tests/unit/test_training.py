@@ -114,8 +114,11 @@ def test_a_corrupt_checkpoint_error_names_the_file(tmp_path, damage):
     path = tmp_path / "c.pt"
     checkpoint.save_checkpoint(CTX, path, MLP())
     data = path.read_bytes()
-    path.write_bytes({"truncated": data[: len(data) // 2], "garbage": b"not a checkpoint" * 9,
-                      "empty": b""}[damage])  # fmt: skip
+    path.write_bytes(
+        {"truncated": data[: len(data) // 2], "garbage": b"not a checkpoint" * 9, "empty": b""}[
+            damage
+        ]
+    )
     with pytest.raises(RuntimeError, match="cannot load the checkpoint") as info:
         checkpoint.load_checkpoint(path, MLP())
     assert str(path) in str(info.value)

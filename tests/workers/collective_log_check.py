@@ -43,14 +43,19 @@ def plain(ctx, log, out):
     with log.recording("all_gather"):
         dist.all_gather_into_tensor(torch.empty(6 * n, 4, dtype=torch.float64), t)
     with log.recording("reduce_scatter"):
-        dist.reduce_scatter_tensor(torch.empty(6, 4, dtype=torch.float64),
-                                   torch.ones(6 * n, 4, dtype=torch.float64))  # fmt: skip
+        dist.reduce_scatter_tensor(
+            torch.empty(6, 4, dtype=torch.float64), torch.ones(6 * n, 4, dtype=torch.float64)
+        )
     # Uneven all-to-all: rank r sends r + 1 rows to every peer.
     splits = [rank + 1] * n
     receive = [peer + 1 for peer in range(n)]
     with log.recording("all_to_all"):
-        dist.all_to_all_single(torch.empty(sum(receive), 4), torch.ones(sum(splits), 4),
-                               output_split_sizes=receive, input_split_sizes=splits)  # fmt: skip
+        dist.all_to_all_single(
+            torch.empty(sum(receive), 4),
+            torch.ones(sum(splits), 4),
+            output_split_sizes=receive,
+            input_split_sizes=splits,
+        )
     with log.recording("broadcast"):
         dist.broadcast(t, src=0)
     # Rank 0 holds the N pieces; the others hold only their own, and the record is the
@@ -61,8 +66,10 @@ def plain(ctx, log, out):
     with log.recording("gather"):
         dist.gather(t, pieces, dst=0)
     with log.recording("p2p"):
-        ops = [dist.P2POp(dist.isend, t, (rank + 1) % n),
-               dist.P2POp(dist.irecv, torch.empty_like(t), (rank - 1) % n)]  # fmt: skip
+        ops = [
+            dist.P2POp(dist.isend, t, (rank + 1) % n),
+            dist.P2POp(dist.irecv, torch.empty_like(t), (rank - 1) % n),
+        ]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
     with log.recording("functional"):

@@ -136,9 +136,14 @@ def main() -> None:
         write_results(
             ctx,
             args.results,
-            {"world_size": n, "backend": ctx.backend, "cases": cases, "bytes": counted,
-             "subgroup_checked": sub_ok},
-        )  # fmt: skip
+            {
+                "world_size": n,
+                "backend": ctx.backend,
+                "cases": cases,
+                "bytes": counted,
+                "subgroup_checked": sub_ok,
+            },
+        )
 
 
 if __name__ == "__main__":

@@ -64,8 +64,19 @@ def documents(world_size):
     return torch.tensor(ids[:t])
 
 
-def compare(ctx, fn, dtype, layout="contiguous", causal=True, docs=None, ref_docs="same",
-            batch=None, heads=None, variant="as_written", **kw):  # fmt: skip
+def compare(
+    ctx,
+    fn,
+    dtype,
+    layout="contiguous",
+    causal=True,
+    docs=None,
+    ref_docs="same",
+    batch=None,
+    heads=None,
+    variant="as_written",
+    **kw,
+):
     """Run fn on this rank's tokens; mismatches of output and q, k, v gradients."""
     ref_docs = docs if ref_docs == "same" else ref_docs
     q, k, v, grad = whole(ctx.world_size, dtype, batch, heads)
@@ -105,8 +116,9 @@ def broken(variant):
 def counted_forward(ctx, fn, layout="contiguous", dtype=torch.float32):
     """Bytes sent (forward, backward) and block products computed by fn's forward on this rank."""
     q, k, v, grad = whole(ctx.world_size, dtype)
-    local = [cp.shard_sequence(x, ctx.rank, ctx.world_size, layout).requires_grad_()
-             for x in (q, k, v)]  # fmt: skip
+    local = [
+        cp.shard_sequence(x, ctx.rank, ctx.world_size, layout).requires_grad_() for x in (q, k, v)
+    ]
     sends, work = CollectiveLog(), {"blocks": 0, "pairs": 0, "visible": 0}
 
     def block(q, k, v, mask):
@@ -125,11 +137,17 @@ def counted_forward(ctx, fn, layout="contiguous", dtype=torch.float32):
     def sent(phase):
         # The ring's passes are sends and receives (a receive sends 0 bytes).
         ops = {"p2p": ("send", "recv"), "all_to_all": ("all_to_all",)}
-        return {key: sum(c["sent"] for c in sends.calls if c["op"] in kinds
-                         and c["phase"] == phase) for key, kinds in ops.items()}  # fmt: skip
+        return {
+            key: sum(c["sent"] for c in sends.calls if c["op"] in kinds and c["phase"] == phase)
+            for key, kinds in ops.items()
+        }
 
-    return {"bytes": sent("forward"), "backward_bytes": sent("backward"), "work": work,
-            "local_shape": list(local[0].shape)}  # fmt: skip
+    return {
+        "bytes": sent("forward"),
+        "backward_bytes": sent("backward"),
+        "work": work,
+        "local_shape": list(local[0].shape),
+    }
 
 
 def overlap_events(ctx):
@@ -201,8 +219,11 @@ def check(ctx):
     for dtype in (torch.float64, torch.float32):
         d = str(dtype).removeprefix("torch.")
         for layout in ("contiguous", "zigzag"):
-            for name, fn in (("ring", cp.ring_attention), ("ulysses", cp.ulysses_attention),
-                             ("allgather", cp.allgather_attention)):  # fmt: skip
+            for name, fn in (
+                ("ring", cp.ring_attention),
+                ("ulysses", cp.ulysses_attention),
+                ("allgather", cp.allgather_attention),
+            ):
                 fails[f"{name} {layout} causal {d}"] = compare(ctx, fn, dtype, layout)
                 fails[f"{name} {layout} documents {d}"] = compare(ctx, fn, dtype, layout, docs=docs)
         fails[f"ring not causal {d}"] = compare(ctx, cp.ring_attention, dtype, causal=False)
@@ -212,16 +233,16 @@ def check(ctx):
         "causal_mask_per_chunk": None,
         "documents_ignored": compare(
             ctx, cp.ring_attention, torch.float64, docs=None, ref_docs=docs
-        ),  # fmt: skip
+        ),
         "torch_all_gather b2 h3": compare(
             ctx, cp.allgather_attention, torch.float64, batch=2, heads=3, gather=torch_gather
-        ),  # fmt: skip
+        ),
         "torch_all_gather b1 h1": compare(
             ctx, cp.allgather_attention, torch.float64, batch=1, heads=1, gather=torch_gather
-        ),  # fmt: skip
+        ),
         "gather_sequence b2 h3": compare(
             ctx, cp.allgather_attention, torch.float64, batch=2, heads=3
-        ),  # fmt: skip
+        ),
     }
     for variant in ("merge_without_lse_correction", "causal_mask_per_chunk"):
         out["mistakes"][variant] = compare(ctx, cp.ring_attention, torch.float64, variant=variant)
@@ -243,7 +264,7 @@ def check(ctx):
         (
             "ring odd zigzag",
             lambda: cp.ring_attention(q[:, :, :-1], q[:, :, :-1], q[:, :, :-1], layout="zigzag"),
-        ),  # fmt: skip
+        ),
         ("ring shapes differ", lambda: cp.ring_attention(q, q[:, :1], q)),
     ):
         try:
@@ -260,5 +281,6 @@ with distributed(device="cpu") as ctx:
     mine = check(ctx)
     gathered = [None] * ctx.world_size
     dist.all_gather_object(gathered, mine)
-    write_results(ctx, args.results, {"world_size": ctx.world_size, "args": vars(args),
-                                      "ranks": gathered})  # fmt: skip
+    write_results(
+        ctx, args.results, {"world_size": ctx.world_size, "args": vars(args), "ranks": gathered}
+    )

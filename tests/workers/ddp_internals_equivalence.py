@@ -54,14 +54,15 @@ def build(rank: int, norm: bool = False) -> nn.Module:
 
 
 def sgd(model):
-    return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1,
-                           momentum=0.9)  # fmt: skip
+    return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
 
 
 def batches(n, b, steps, seed=123):
     gen = torch.Generator().manual_seed(seed)
-    return [(torch.randn(n * b, 8, generator=gen), torch.randint(0, 4, (n * b,), generator=gen))
-            for _ in range(steps)]  # fmt: skip
+    return [
+        (torch.randn(n * b, 8, generator=gen), torch.randint(0, 4, (n * b,), generator=gen))
+        for _ in range(steps)
+    ]
 
 
 def max_diff(m1: nn.Module, m2: nn.Module) -> float:
@@ -100,8 +101,11 @@ with distributed() as ctx:
         calls, info = [], {"broadcast_ok": broadcast_ok}
         for step, (x, y) in enumerate(batches(n, b, args.steps)):
             use_extra = step % 2 == 0 if sometimes else True
-            for m, o, xs, ys in ((reference, opts[0], x, y), (torch_ddp, opts[1], x[mine], y[mine]),
-                                 (model, opts[2], x[mine], y[mine])):  # fmt: skip
+            for m, o, xs, ys in (
+                (reference, opts[0], x, y),
+                (torch_ddp, opts[1], x[mine], y[mine]),
+                (model, opts[2], x[mine], y[mine]),
+            ):
                 o.zero_grad()
                 # Only the course's model is recorded: torch's DDP all-reduces too.
                 with log.recording(step) if m is model else contextlib.nullcontext():

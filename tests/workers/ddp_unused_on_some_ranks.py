@@ -61,15 +61,17 @@ with distributed() as ctx:
             F.cross_entropy(model(x, uses[ctx.rank]), y).backward()
             grads.append({n: p.grad.clone() for n, p in model.module.named_parameters()})
             opt.step()
-        steps.append({
-            "uses": list(uses),
-            "grad_diff": {n: (grads[0][n] - grads[1][n]).abs().max().item() for n in grads[0]},
-            "extra_grad_norm": grads[1]["extra.weight"].norm().item(),
-            "param_diff": max(
-                (p - q).abs().max().item()
-                for p, q in zip(ours.module.parameters(), theirs.module.parameters())
-            ),
-        })  # fmt: skip
+        steps.append(
+            {
+                "uses": list(uses),
+                "grad_diff": {n: (grads[0][n] - grads[1][n]).abs().max().item() for n in grads[0]},
+                "extra_grad_norm": grads[1]["extra.weight"].norm().item(),
+                "param_diff": max(
+                    (p - q).abs().max().item()
+                    for p, q in zip(ours.module.parameters(), theirs.module.parameters())
+                ),
+            }
+        )
     gathered = [None] * ctx.world_size
     dist.all_gather_object(gathered, steps)
     write_results(ctx, args.results, {"per_rank": gathered})

@@ -165,8 +165,13 @@ def check(ctx, variant):
 
 with distributed(device="cpu") as ctx:
     out = {"world_size": ctx.world_size, "variants": {}}
-    for variant in ("as_written", "rows_out_of_order", "return_without_autograd", "torch",
-                    "dropless"):  # fmt: skip
+    for variant in (
+        "as_written",
+        "rows_out_of_order",
+        "return_without_autograd",
+        "torch",
+        "dropless",
+    ):
         report = check(ctx, variant)
         gathered = [None] * ctx.world_size
         dist.all_gather_object(gathered, report)

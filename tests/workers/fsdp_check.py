@@ -42,8 +42,10 @@ warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a vi
 args = worker_checks.parse_args(steps=5)
 
 BATCH = 8  # the global batch; each rank takes BATCH / N rows
-OPTIMIZERS = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
-              "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01)}  # fmt: skip
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01),
+}
 VARIANTS = ("reshard", "keep", "bf16", "frozen", "tied")
 
 
@@ -78,9 +80,13 @@ def units(net, variant):
 
 def batches():
     gen = torch.Generator().manual_seed(1)
-    return [(torch.randn(BATCH, 6, generator=gen, dtype=torch.float64),
-             torch.randn(BATCH, 1, generator=gen, dtype=torch.float64))
-            for _ in range(args.steps)]  # fmt: skip
+    return [
+        (
+            torch.randn(BATCH, 6, generator=gen, dtype=torch.float64),
+            torch.randn(BATCH, 1, generator=gen, dtype=torch.float64),
+        )
+        for _ in range(args.steps)
+    ]
 
 
 def loss_fn(out, y):
@@ -122,14 +128,18 @@ def train(model, ctx, optimizer, full_params):
     b = BATCH // ctx.world_size
     for step, (x, y) in enumerate(batches()):
         with log.recording(f"step {step}"):
-            loss_fn(model(x[ctx.rank * b : (ctx.rank + 1) * b]),
-                    y[ctx.rank * b : (ctx.rank + 1) * b]).backward()  # fmt: skip
+            loss_fn(
+                model(x[ctx.rank * b : (ctx.rank + 1) * b]), y[ctx.rank * b : (ctx.rank + 1) * b]
+            ).backward()
         if first is None:
             first = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
         opt.step()
         opt.zero_grad()
-    last = [(c["op"], c["bytes"], c["dtype"]) for c in log.calls
-            if c["phase"] == f"step {args.steps - 1}"]  # fmt: skip
+    last = [
+        (c["op"], c["bytes"], c["dtype"])
+        for c in log.calls
+        if c["phase"] == f"step {args.steps - 1}"
+    ]
     return full_params(model), first, last
 
 
@@ -154,8 +164,12 @@ def gap(a, b):
 def run_variant(ctx, variant, optimizer, mesh):
     n = ctx.world_size
     net = build(variant)
-    model = FSDP(net, units=units(net, variant), reshard_after_forward=variant != "keep",
-                 compute_dtype=torch.bfloat16 if variant == "bf16" else None)  # fmt: skip
+    model = FSDP(
+        net,
+        units=units(net, variant),
+        reshard_after_forward=variant != "keep",
+        compute_dtype=torch.bfloat16 if variant == "bf16" else None,
+    )
     ours, first, last = train(model, ctx, optimizer, lambda m: m.full_parameters())
     want, want_grads = reference(variant, optimizer, n, same_casts=variant == "bf16")
     start = {k: p.detach() for k, p in build(variant).named_parameters()}
@@ -164,9 +178,12 @@ def run_variant(ctx, variant, optimizer, mesh):
     for name, g in first.items():
         key = name.removeprefix("module.")
         lo, hi = ranges[key]
-        grads[key] = {"shape": list(g.shape), "dtype": str(g.dtype),
-                      "want_shape": [hi - lo, *want_grads[key].shape[1:]],
-                      "off": mismatch(g, want_grads[key][lo:hi], rtol=0, atol=1e-12)}  # fmt: skip
+        grads[key] = {
+            "shape": list(g.shape),
+            "dtype": str(g.dtype),
+            "want_shape": [hi - lo, *want_grads[key].shape[1:]],
+            "off": mismatch(g, want_grads[key][lo:hi], rtol=0, atol=1e-12),
+        }
     traffic = model.step_traffic()
     out = {
         "gap": gap({k.removeprefix("module."): v for k, v in ours.items()}, want),
@@ -174,7 +191,7 @@ def run_variant(ctx, variant, optimizer, mesh):
         "grads": grads,
         "frozen_grads": [
             k for k, p in model.named_parameters() if not p.requires_grad and p.grad is not None
-        ],  # fmt: skip
+        ],
         "calls": last,
         "formula": traffic.__dict__,
         "peak": model.peak_gathered_bytes,

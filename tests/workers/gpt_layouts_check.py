@@ -45,8 +45,10 @@ def fresh_model(device):
 def batches(device):
     gen = torch.Generator().manual_seed(1)
     text = shakespeare_bytes("train")
-    return [[t.to(device) for t in lm_batch(text, GLOBAL_BATCH, CONFIG["seq_len"], gen)]
-            for _ in range(args.steps)]  # fmt: skip
+    return [
+        [t.to(device) for t in lm_batch(text, GLOBAL_BATCH, CONFIG["seq_len"], gen)]
+        for _ in range(args.steps)
+    ]
 
 
 def reference(device, data):
@@ -85,8 +87,10 @@ def train(ctx, data, variant):
             original = mm.loss_parallel
             mm.loss_parallel = False  # a plain loss times dp: the sum of the ranks' means
             logits = mm.module(x)
-            (lm_loss(logits.full_tensor() if hasattr(logits, "full_tensor") else logits, y)
-             * lay.dp).backward()  # fmt: skip
+            (
+                lm_loss(logits.full_tensor() if hasattr(logits, "full_tensor") else logits, y)
+                * lay.dp
+            ).backward()
             mm.loss_parallel = original
         else:
             mm.forward_backward(x, y)
@@ -111,8 +115,12 @@ def pipeline_with_tp(ctx, data, ref):
         opt.zero_grad()
     params = mm.full_parameters()
     formula = predict.expected_collectives(lay, CONFIG["n_layers"], stage=mm.stage_index)
-    return {"gap": max((params[n] - ref[n]).abs().max().item() for n in params),
-            "names": sorted(params), "counts": seen, "formula": formula}  # fmt: skip
+    return {
+        "gap": max((params[n] - ref[n]).abs().max().item() for n in params),
+        "names": sorted(params),
+        "counts": seen,
+        "formula": formula,
+    }
 
 
 def refused(fn):
@@ -129,8 +137,12 @@ def main():
         ref = reference(ctx.device, data)
         start = {n: p.detach() for n, p in fresh_model(ctx.device).named_parameters()}
         gaps = {}
-        for variant in ("as written", "data by tp coordinate", "loss summed over dp",
-                        "fsdp over tp"):  # fmt: skip
+        for variant in (
+            "as written",
+            "data by tp coordinate",
+            "loss summed over dp",
+            "fsdp over tp",
+        ):
             params = train(ctx, data, variant)
             gaps[variant] = max((params[n] - ref[n]).abs().max().item() for n in ref)
         pipeline = pipeline_with_tp(ctx, data, ref)
@@ -138,15 +150,26 @@ def main():
         torch.distributed.all_gather_object(by_rank, pipeline)
         errors = {
             "world size": refused(lambda: ml.build_mesh(ml.Layout("x", dp=2), ctx.device.type)),
-            "tp > heads": refused(lambda: ml.apply_tensor_parallel(
-                TinyGPT(**{**CONFIG, "n_heads": 2}),
-                ml.build_mesh(ml.Layout("t", tp=4), ctx.device.type)["tp"])),
-        }  # fmt: skip
+            "tp > heads": refused(
+                lambda: ml.apply_tensor_parallel(
+                    TinyGPT(**{**CONFIG, "n_heads": 2}),
+                    ml.build_mesh(ml.Layout("t", tp=4), ctx.device.type)["tp"],
+                )
+            ),
+        }
         moved = max((start[n] - ref[n]).abs().max().item() for n in ref)
-        write_results(ctx, args.results, {"world_size": ctx.world_size, "gaps": gaps,
-                                          "moved": moved, "errors": errors,
-                                          "pp x tp": by_rank,
-                                          "all_names": sorted(ref)})  # fmt: skip
+        write_results(
+            ctx,
+            args.results,
+            {
+                "world_size": ctx.world_size,
+                "gaps": gaps,
+                "moved": moved,
+                "errors": errors,
+                "pp x tp": by_rank,
+                "all_names": sorted(ref),
+            },
+        )
 
 
 if __name__ == "__main__":

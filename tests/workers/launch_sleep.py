@@ -30,8 +30,10 @@ if args.pretend_gpus is not None:
 
 with distributed() as ctx:
     planned = os.environ.get(DEVICE_ENV)
-    print(f"rank {ctx.rank}: device {ctx.device}, backend {ctx.backend}, "
-          f"{DEVICE_ENV}={planned}", flush=True)  # fmt: skip
+    print(
+        f"rank {ctx.rank}: device {ctx.device}, backend {ctx.backend}, {DEVICE_ENV}={planned}",
+        flush=True,
+    )
     barrier(ctx)
     if args.ready_dir:
         pathlib.Path(args.ready_dir, f"rank{ctx.rank}").write_text(str(os.getpid()))

@@ -49,11 +49,13 @@ with distributed(device="cpu") as ctx:
         opt.zero_grad()
         table = pipeline.schedule(name, p, m)
         result = pipeline.run_schedule(
-            table, stage, k,
+            table,
+            stage,
+            k,
             inputs=pipeline.split_microbatches(x, m),
             targets=pipeline.split_microbatches(y, m),
             loss_fn=cross_entropy,
-        )  # fmt: skip
+        )
         grad_diff = max(
             (g - q.grad).abs().max().item() for g, q in zip(ref_grads, stage.parameters())
         )
@@ -64,9 +66,13 @@ with distributed(device="cpu") as ctx:
             torch.testing.assert_close(q, r, rtol=1e-5, atol=1e-6)
         loss_gap = abs(result.loss - ref_loss.item()) if result.loss is not None else None
         gathered = [None] * p
-        mine = {"grad_diff": grad_diff, "loss_gap": loss_gap, "peak": result.peak_in_flight,
-                "order": [str(e.action) for e in result.events],
-                "bytes": result.bytes_sent}  # fmt: skip
+        mine = {
+            "grad_diff": grad_diff,
+            "loss_gap": loss_gap,
+            "peak": result.peak_in_flight,
+            "order": [str(e.action) for e in result.events],
+            "bytes": result.bytes_sent,
+        }
         dist.all_gather_object(gathered, mine)
         out["equal"][name] = gathered
 
@@ -74,12 +80,15 @@ with distributed(device="cpu") as ctx:
             continue  # its bubble is GPipe's with m = 1; not timed, to keep the test short
         # The same schedule with sleeping stages: measured bubble and timeline.
         timed = pipeline.run_schedule(
-            table, layer_stack().stage(k, p), k,
+            table,
+            layer_stack().stage(k, p),
+            k,
             inputs=pipeline.split_microbatches(x, m),
             targets=pipeline.split_microbatches(y, m),
             loss_fn=cross_entropy,
-            forward_sleep_s=args.sleep_s, backward_sleep_s=2 * args.sleep_s,
-        )  # fmt: skip
+            forward_sleep_s=args.sleep_s,
+            backward_sleep_s=2 * args.sleep_s,
+        )
         tl = pipeline.gather_timeline(timed)
         out["timelines"][name] = tl.to_records()
 

@@ -37,11 +37,13 @@ with distributed(device="cpu") as ctx:
     for name, torch_schedule in TORCH_SCHEDULES.items():
         ours = stage_of(k, p)
         result = pipeline.run_schedule(
-            pipeline.schedule(name, p, m), ours, k,
+            pipeline.schedule(name, p, m),
+            ours,
+            k,
             inputs=pipeline.split_microbatches(x, m),
             targets=pipeline.split_microbatches(y, m),
             loss_fn=cross_entropy,
-        )  # fmt: skip
+        )
         theirs = stage_of(k, p)
         stage = PipelineStage(theirs, k, p, ctx.device)
         sched = torch_schedule(stage, n_microbatches=m, loss_fn=cross_entropy)

@@ -40,15 +40,18 @@ parser.add_argument("--exit-message")
 args = parser.parse_args()
 # The ports this process listens on before it opens any: a forked rank must not show
 # the agent's store sockets as its own.
-LISTENING_AT_START = [c.laddr.port for c in psutil.Process().net_connections("tcp")
-                      if c.status == psutil.CONN_LISTEN]  # fmt: skip
+LISTENING_AT_START = [
+    c.laddr.port for c in psutil.Process().net_connections("tcp") if c.status == psutil.CONN_LISTEN
+]
 
 
 def _agent_command() -> dict[str, bool]:
     # Found by its command line, as the launcher's stack dumps and the lessons find it.
     cmdline = psutil.Process().parent().cmdline()
-    return {"loopback": "ddp_course.harness.loopback" in cmdline,
-            "script": os.path.abspath(sys.argv[0]) in cmdline}  # fmt: skip
+    return {
+        "loopback": "ddp_course.harness.loopback" in cmdline,
+        "script": os.path.abspath(sys.argv[0]) in cmdline,
+    }
 
 
 def say_goodbye(rank: int) -> None:

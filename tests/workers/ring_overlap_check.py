@@ -79,8 +79,17 @@ with distributed() as ctx:
             runs.append(took.item())
         times[name] = statistics.median(runs)
     equal = all(torch.equal(a, b) for a, b in zip(*results.values()))
-    write_results(ctx, args.results, {
-        "world_size": ctx.world_size, "device": str(ctx.device), "backend": ctx.backend,
-        "shape": list(shape), "dtype": args.dtype, "equal": equal, "median_s": times,
-        "overlapped_over_waited": times["overlapped"] / times["waited at once"],
-    })  # fmt: skip
+    write_results(
+        ctx,
+        args.results,
+        {
+            "world_size": ctx.world_size,
+            "device": str(ctx.device),
+            "backend": ctx.backend,
+            "shape": list(shape),
+            "dtype": args.dtype,
+            "equal": equal,
+            "median_s": times,
+            "overlapped_over_waited": times["overlapped"] / times["waited at once"],
+        },
+    )

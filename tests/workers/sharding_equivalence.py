@@ -80,12 +80,16 @@ class KeepGatheredZero(ZeRO):
 
 
 VARIANTS = {
-    "stage1": (ZeRO, 1), "stage2": (ZeRO, 2), "stage3": (ZeRO, 3),
-    "stage1-sum": (SummedZero, 1), "stage3-sum": (SummedZero, 3),
-    "stage2-no-gather": (NoGatherZero, 2), "stage2-unlogged": (UnloggedZero, 2),
+    "stage1": (ZeRO, 1),
+    "stage2": (ZeRO, 2),
+    "stage3": (ZeRO, 3),
+    "stage1-sum": (SummedZero, 1),
+    "stage3-sum": (SummedZero, 3),
+    "stage2-no-gather": (NoGatherZero, 2),
+    "stage2-unlogged": (UnloggedZero, 2),
     "stage1-whole-optimizer": (WholeModelZero, 1),
     "stage3-no-reshard": (KeepGatheredZero, 3),
-}  # fmt: skip
+}
 
 
 class Scale(torch.nn.Module):

@@ -140,8 +140,10 @@ def check(ctx, variant):
     for name, q in ref.named_parameters():
         fails[f"after {args.steps + 1} SGD steps {name}"] = mismatch(weights[name], q.detach())
     expected_bytes = args.batch_size * args.d_model * x.element_size()
-    counts = {phase: sum(c["phase"] == phase and c["op"] == "all_reduce" for c in log.calls)
-              for phase in ("forward", "backward")}  # fmt: skip
+    counts = {
+        phase: sum(c["phase"] == phase and c["op"] == "all_reduce" for c in log.calls)
+        for phase in ("forward", "backward")
+    }
     fails["one all-reduce per block in forward"] = (
         None if counts["forward"] == args.blocks else f"{counts['forward']} in forward"
     )
@@ -150,10 +152,14 @@ def check(ctx, variant):
     )
     bad_bytes = [c["bytes"] for c in log.calls if c["bytes"] != expected_bytes]
     fails["bytes = batch x d_model x 4"] = f"{bad_bytes} bytes" if bad_bytes else None
-    return {"fails": fails, "counts": counts, "calls": log.calls,
-            "expected_bytes": expected_bytes, "params_per_rank":
-            sum(q.numel() for q in par.parameters()),
-            "params_whole": sum(q.numel() for q in ref.parameters())}  # fmt: skip
+    return {
+        "fails": fails,
+        "counts": counts,
+        "calls": log.calls,
+        "expected_bytes": expected_bytes,
+        "params_per_rank": sum(q.numel() for q in par.parameters()),
+        "params_whole": sum(q.numel() for q in ref.parameters()),
+    }
 
 
 def torch_api(ctx):
@@ -179,8 +185,10 @@ def torch_api(ctx):
             "forward_total": fwd.get_total_counts(),
             "backward_total": bwd.get_total_counts(),
         }
-    fails = {"output": mismatch(outs["torch"], outs["ours"]),
-             "input_grad": mismatch(xs["torch"].grad, xs["ours"].grad)}  # fmt: skip
+    fails = {
+        "output": mismatch(outs["torch"], outs["ours"]),
+        "input_grad": mismatch(xs["torch"].grad, xs["ours"].grad),
+    }
     mine = whole_params(ours)
     for name, q in theirs.named_parameters():
         kinds = {type(p).__name__ for p in q.grad.placements}

@@ -27,8 +27,12 @@ from ddp_course.tools.records import write_results
 
 args = worker_checks.parse_args(**worker_checks.TINY_GPT)
 
-VARIANTS = ("as_written", "default_generator_everywhere", "reseeded_every_step",
-            "default_generator_seed_plus_rank")  # fmt: skip
+VARIANTS = (
+    "as_written",
+    "default_generator_everywhere",
+    "reseeded_every_step",
+    "default_generator_seed_plus_rank",
+)
 
 
 @contextlib.contextmanager
@@ -52,8 +56,14 @@ def regions(sequence_parallel):
 
 def model(ctx, variant, sequence_parallel):
     torch.manual_seed(0)  # the same weights and default generator on every rank
-    whole = TinyGPT(d_model=args.d_model, n_heads=args.n_heads, n_layers=args.n_layers,
-                    seq_len=args.seq_len, dropout=0.5, flash=False).double()  # fmt: skip
+    whole = TinyGPT(
+        d_model=args.d_model,
+        n_heads=args.n_heads,
+        n_layers=args.n_layers,
+        seq_len=args.seq_len,
+        dropout=0.5,
+        flash=False,
+    ).double()
     par = ParallelGPT(whole, ctx.rank, ctx.world_size, sequence_parallel=sequence_parallel)
     if variant == "default_generator_seed_plus_rank":
         torch.manual_seed(1 + ctx.rank)  # data parallelism's habit: the replicated masks differ
@@ -106,11 +116,17 @@ def replicas_disagree(ctx, variant, sequence_parallel, steps=3):
             sp.all_reduce_sequence_parallel_grads(par)
             opt.step()
             opt.zero_grad()
-    split = {id(m.weight) for m in par.modules()
-             if isinstance(m, (tp.ColumnParallelLinear, tp.RowParallelLinear))}  # fmt: skip
+    split = {
+        id(m.weight)
+        for m in par.modules()
+        if isinstance(m, (tp.ColumnParallelLinear, tp.RowParallelLinear))
+    }
     split |= {id(m.bias) for m in par.modules() if isinstance(m, tp.ColumnParallelLinear)}
-    return [name for name, p in par.named_parameters()
-            if id(p) not in split and not equal_on_every_rank(p.detach(), ctx)]  # fmt: skip
+    return [
+        name
+        for name, p in par.named_parameters()
+        if id(p) not in split and not equal_on_every_rank(p.detach(), ctx)
+    ]
 
 
 with distributed(device="cpu") as ctx:

@@ -40,8 +40,12 @@ args = worker_checks.parse_args(**worker_checks.TINY_GPT, steps=5)
 
 BLOCK_TOL = {"rtol": 1e-12, "atol": 1e-12}
 GPT_TOL = {"rtol": 1e-10, "atol": 1e-10}
-VARIANTS = ("as_written", "f_backward_without_all_reduce", "sp_without_all_gather",
-            "ln_grad_not_reduced")  # fmt: skip
+VARIANTS = (
+    "as_written",
+    "f_backward_without_all_reduce",
+    "sp_without_all_gather",
+    "ln_grad_not_reduced",
+)
 
 
 def my_part(x, ctx):
@@ -106,8 +110,10 @@ def check_block(ctx, variant, sequence_parallel):
     want_out = my_part(out_ref, ctx) if sequence_parallel else out_ref
     want_xg = my_part(x_ref.grad, ctx) if sequence_parallel else x_ref.grad
     got_xg = my_part(x_full.grad, ctx) if sequence_parallel else x_full.grad
-    fails = {"output": mismatch(out, want_out, **BLOCK_TOL),
-             "input_grad": mismatch(got_xg, want_xg, **BLOCK_TOL)}  # fmt: skip
+    fails = {
+        "output": mismatch(out, want_out, **BLOCK_TOL),
+        "input_grad": mismatch(got_xg, want_xg, **BLOCK_TOL),
+    }
     grads = gather_full_state(par, grads=True)
     for name, q in ref.named_parameters():
         fails[f"grad {name}"] = mismatch(grads[name], q.grad, **BLOCK_TOL)
@@ -135,8 +141,13 @@ def replicas_disagree(model, ctx):
 
 def gpt(seed=0):
     torch.manual_seed(seed)
-    return TinyGPT(d_model=args.d_model, n_heads=args.n_heads, n_layers=args.n_layers,
-                   seq_len=args.seq_len, flash=False).double()  # fmt: skip
+    return TinyGPT(
+        d_model=args.d_model,
+        n_heads=args.n_heads,
+        n_layers=args.n_layers,
+        seq_len=args.seq_len,
+        flash=False,
+    ).double()
 
 
 def lm_batch():
@@ -166,19 +177,30 @@ def check_gpt(ctx, variant, sequence_parallel):
         opt_ref.step(), opt_par.step()
         opt_ref.zero_grad(), opt_par.zero_grad()
     full = gather_full_state(par)
-    fails = {f"after {args.steps} steps {name}": mismatch(full[name], q.detach(), **GPT_TOL)
-             for name, q in ref.named_parameters()}  # fmt: skip
+    fails = {
+        f"after {args.steps} steps {name}": mismatch(full[name], q.detach(), **GPT_TOL)
+        for name, q in ref.named_parameters()
+    }
     step0 = [c for c in log.calls if c["phase"].endswith(" 0")]
-    return {"fails": fails, "calls": step0, "replicas_disagree": replicas_disagree(par, ctx),
-            "losses": losses, "params_per_rank": sum(q.numel() for q in par.parameters()),
-            "params_whole": sum(q.numel() for q in ref.parameters())}  # fmt: skip
+    return {
+        "fails": fails,
+        "calls": step0,
+        "replicas_disagree": replicas_disagree(par, ctx),
+        "losses": losses,
+        "params_per_rank": sum(q.numel() for q in par.parameters()),
+        "params_whole": sum(q.numel() for q in ref.parameters()),
+    }
 
 
 def layernorm_bytes(ctx, sequence_parallel):
     """Bytes the two LayerNorms of one block save for backward, on this rank."""
     torch.manual_seed(0)
-    par = sp.ParallelBlock(Block(args.d_model, args.n_heads, flash=False).double(), ctx.rank,
-                           ctx.world_size, sequence_parallel=sequence_parallel)  # fmt: skip
+    par = sp.ParallelBlock(
+        Block(args.d_model, args.n_heads, flash=False).double(),
+        ctx.rank,
+        ctx.world_size,
+        sequence_parallel=sequence_parallel,
+    )
     x = torch.randn(args.batch_size, args.seq_len, args.d_model, dtype=torch.float64)
     x = (my_part(x, ctx) if sequence_parallel else x).requires_grad_()
     out = {}
@@ -208,9 +230,12 @@ def seed_lab(ctx):
     for name, seed in (("seed_plus_rank", ctx.rank), ("same_seed", 0)):
         par = ParallelGPT(gpt(seed), ctx.rank, ctx.world_size)
         full, ref = gather_full_state(par), gpt(0)
-        out[name] = {"differ_from_one_process": sorted(n for n, q in ref.named_parameters()
-                                                       if not torch.equal(full[n], q.detach())),
-                     "replicas_disagree": replicas_disagree(par, ctx)}  # fmt: skip
+        out[name] = {
+            "differ_from_one_process": sorted(
+                n for n, q in ref.named_parameters() if not torch.equal(full[n], q.detach())
+            ),
+            "replicas_disagree": replicas_disagree(par, ctx),
+        }
     return out
 
 

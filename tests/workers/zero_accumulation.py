@@ -41,9 +41,12 @@ class OverwriteZero(ZeRO):
 
 
 VARIANTS = {
-    "stage1": (ZeRO, 1), "stage2": (ZeRO, 2), "stage3": (ZeRO, 3),
-    "stage2-overwrite": (OverwriteZero, 2), "stage3-overwrite": (OverwriteZero, 3),
-}  # fmt: skip
+    "stage1": (ZeRO, 1),
+    "stage2": (ZeRO, 2),
+    "stage3": (ZeRO, 3),
+    "stage2-overwrite": (OverwriteZero, 2),
+    "stage3-overwrite": (OverwriteZero, 3),
+}
 
 
 def new_model(ctx, seed):

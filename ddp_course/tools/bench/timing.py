@@ -154,8 +154,9 @@ def time_interleaved(
             if active(name):
                 settings[name]()
                 _sync(ctx)
-            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64,
-                                   device=ctx.device)  # fmt: skip
+            elapsed = torch.tensor(
+                [time.perf_counter() - start], dtype=torch.float64, device=ctx.device
+            )
             if ctx.is_distributed:
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             times[name].append(elapsed.item())
