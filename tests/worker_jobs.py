@@ -1,8 +1,11 @@
 """Launching a test worker (``tests/workers/``) under torchrun and reading what its ranks
 report: shared by the multiprocess tests, each of which launches one job per world size
-and reads every rank's records in several tests."""
+and reads every rank's records in several tests (:func:`worker_fixture`)."""
 
 import pathlib
+from collections.abc import Sequence
+
+import pytest
 
 from ddp_course.harness import launch
 
@@ -19,8 +22,24 @@ def run_worker(name: str, args: list[str], nproc: int, timeout_s: float = 240.0)
     job = launch.torchrun(
         WORKERS / name, args, nproc=nproc, results=True, echo=False, timeout_s=timeout_s
     )
-    assert job.results["world_size"] == nproc
+    world = job.results.get("world_size", len(job.results.get("per_rank", ())))
+    assert world == nproc, f"{name} reported world size {world}, launched {nproc}"
     return job.results
+
+
+def worker_fixture(name: str, args: Sequence[str], world_sizes: Sequence[int] = (2,)):
+    """The test module's ``job`` fixture: ``tests/workers/<name>`` launched once per world
+    size in ``world_sizes`` (module scope, ids ``2ranks``, ``4ranks``...), its results
+    (:func:`run_worker`) shared by every test of the module that takes ``job``.
+
+    Use as ``job = worker_jobs.worker_fixture("x_check.py", ARGS, world_sizes=[2, 4])``.
+    """
+
+    @pytest.fixture(scope="module", params=list(world_sizes), ids=lambda n: f"{n}ranks")
+    def job(request):
+        return run_worker(name, list(args), request.param)
+
+    return job
 
 
 def failed(report: dict) -> dict[str, str]:

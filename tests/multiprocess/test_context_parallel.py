@@ -9,7 +9,6 @@ block product; four mistakes caught; bad sizes refused with a ValueError.
 
 import math
 
-import pytest
 import worker_jobs
 
 from ddp_course import context_parallel as cp
@@ -27,10 +26,7 @@ ARGS = [
 ]
 
 
-@pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"{n}ranks")
-def job(request):
-    """One launched job per world size; its results feed every test below."""
-    return worker_jobs.run_worker("context_parallel_check.py", ARGS, request.param)
+job = worker_jobs.worker_fixture("context_parallel_check.py", ARGS, world_sizes=[2, 3, 4])
 
 
 def differing(checks):

@@ -1,6 +1,6 @@
-"""DDP from scratch (ddp_course.ddp) against torch's DDP and one process, on 2 and 3 gloo ranks.
+"""DDP from scratch (ddp_course.ddp) against torch's DDP and one process, on 3 gloo ranks.
 
-One job per world size checks every case (tests/workers/ddp_internals_equivalence.py):
+One job checks every case (tests/workers/ddp_internals_equivalence.py):
 bucket caps giving one bucket, two buckets and one bucket per parameter, tied
 weights, a frozen layer, a layer used on every other step, no_sync, buffers,
 the number of all-reduce calls, overlap timestamps and bad input.
@@ -10,6 +10,7 @@ import pathlib
 
 import pytest
 import torch
+import worker_jobs
 from torch import nn
 
 from ddp_course.ddp import BucketedDDP, NaiveDDP, average_gradients
@@ -22,27 +23,19 @@ TRAINABLE = 9  # Net's parameters that get gradients: tied weight once, frozen l
 
 
 # 3 ranks; notebook 07 compares 2 ranks with torch's DDP on the lesson's script.
-@pytest.fixture(scope="module", params=[3])
-def job(request):
-    nproc = request.param
-    run = launch.torchrun(
-        WORKERS / "ddp_internals_equivalence.py",
-        ["--steps", "3"],
-        nproc=nproc,
-        results=True,
-        echo=False,
-        timeout_s=240,
-    )
-    return nproc, run.results["per_rank"]
+job = worker_jobs.worker_fixture("ddp_internals_equivalence.py", ["--steps", "3"], [3])
 
 
-def test_every_rank_reports(job):
-    nproc, ranks = job
-    assert len(ranks) == nproc and all(r["world_size"] == nproc for r in ranks)
+@pytest.fixture(scope="module")
+def ranks(job):
+    return job["per_rank"]
 
 
-def test_parameters_equal_torch_ddp_and_one_process(job):
-    _, ranks = job
+def test_every_rank_reports(ranks):
+    assert len(ranks) == 3 and all(r["world_size"] == 3 for r in ranks)
+
+
+def test_parameters_equal_torch_ddp_and_one_process(ranks):
     for r in ranks:
         assert len(r["cases"]) == 8
         for name, case in r["cases"].items():
@@ -51,8 +44,7 @@ def test_parameters_equal_torch_ddp_and_one_process(job):
             assert case["diff_torch"] <= ATOL, f"{name}: differs from torch's DDP"
 
 
-def test_bucket_caps_tied_and_frozen(job):
-    _, ranks = job
+def test_bucket_caps_tied_and_frozen(ranks):
     cases = ranks[0]["cases"]
     for usage in ("always", "sometimes"):
         assert len(cases[f"bucketed/one_bucket/{usage}"]["buckets"]) == 1
@@ -74,8 +66,7 @@ def test_bucket_caps_tied_and_frozen(job):
         ]
 
 
-def test_all_reduce_calls_per_step_equal_buckets(job):
-    _, ranks = job
+def test_all_reduce_calls_per_step_equal_buckets(ranks):
     for r in ranks:
         for name, case in r["cases"].items():
             kind, *rest = name.split("/")
@@ -87,8 +78,7 @@ def test_all_reduce_calls_per_step_equal_buckets(job):
                 assert case["calls_per_step"] == [TRAINABLE] * 3, name
 
 
-def test_first_bucket_all_reduce_starts_before_backward_ends(job):
-    _, ranks = job
+def test_first_bucket_all_reduce_starts_before_backward_ends(ranks):
     for r in ranks:
         for cap in ("two_buckets", "per_param"):
             events = r["cases"][f"bucketed/{cap}/always"]["events"]
@@ -102,8 +92,7 @@ def test_first_bucket_all_reduce_starts_before_backward_ends(job):
         assert len(launch_t) == 1 and launch_t[0] >= max(t for k, _, t in events if k == "grad")
 
 
-def test_no_sync_accumulation_equals_k_times_batch(job):
-    _, ranks = job
+def test_no_sync_accumulation_equals_k_times_batch(ranks):
     for r in ranks:
         ns = r["no_sync"]
         assert ns["diff_ref"] <= ATOL and ns["diff_torch"] <= ATOL
@@ -113,8 +102,7 @@ def test_no_sync_accumulation_equals_k_times_batch(job):
             assert ns["grads_equal_after_each_micro_step"][key] == expected, key
 
 
-def test_unused_parameter_is_named(job):
-    _, ranks = job
+def test_unused_parameter_is_named(ranks):
     for r in ranks:
         for kind in ("naive", "bucketed"):
             message = r["unused_errors"][kind]
@@ -122,15 +110,13 @@ def test_unused_parameter_is_named(job):
             assert "sometimes.weight" in message and "find_unused_parameters=True" in message
 
 
-def test_broadcast_buffers_like_torch(job):
-    _, ranks = job
+def test_broadcast_buffers_like_torch(ranks):
     for r in ranks:
         assert r["buffers"]["diff_torch"] <= ATOL
         assert r["buffers"]["running_mean_differs_across_ranks"]
 
 
-def test_bad_input_across_ranks(job):
-    _, ranks = job
+def test_bad_input_across_ranks(ranks):
     for r in ranks:
         assert "bucket_cap_mb must be > 0" in r["bad_input"]["cap"]
         assert "differs from rank 0's" in r["bad_input"]["shapes"]

@@ -4,7 +4,6 @@ against the routing; two mistakes caught; PyTorch's all_to_all_single_autograd e
 dropless routing (capacity_factor=inf) equal to one process with or without capacity groups.
 """
 
-import pytest
 import worker_jobs
 
 D_MODEL, EXPERTS, TOKENS = 8, 4, 12
@@ -22,10 +21,7 @@ ARGS = [
 ]
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}ranks")
-def job(request):
-    """One launched job per world size; its results feed every test below."""
-    return worker_jobs.run_worker("expert_parallel_check.py", ARGS, request.param)
+job = worker_jobs.worker_fixture("expert_parallel_check.py", ARGS, world_sizes=[2, 4])
 
 
 def test_expert_parallel_equals_one_process_with_capacity_per_rank(job):

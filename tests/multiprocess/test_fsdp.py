@@ -12,9 +12,12 @@ VARIANTS = ("reshard", "keep", "bf16", "frozen", "tied")
 KEYS = [f"{v} {o}" for v in VARIANTS for o in ("sgd", "adamw")]
 
 
+job = worker_jobs.worker_fixture("fsdp_check.py", ["--steps", "5"], world_sizes=[2])
+
+
 @pytest.fixture(scope="module")
-def ranks():
-    return worker_jobs.run_worker("fsdp_check.py", ["--steps", "5"], nproc=2)["ranks"]
+def ranks(job):
+    return job["ranks"]
 
 
 @pytest.mark.parametrize("key", KEYS)

@@ -6,23 +6,13 @@ tests/scripts/test_lesson13.py. MeshModel.evaluate, on PyTorch's fake process gr
 process): FSDP2 sharded again after a forward with no backward.
 """
 
-import pathlib
-
 import pytest
-
-from ddp_course.harness import launch
+import worker_jobs
 
 TOL = 1e-10  # float64, 3 SGD steps: the layouts differ by summation order only (~1e-16)
 
 
-@pytest.fixture(scope="module")
-def job():
-    worker = pathlib.Path(__file__).resolve().parents[1] / "workers" / "gpt_layouts_check.py"
-    result = launch.torchrun(
-        worker, ["--steps", "3"], nproc=4, results=True, echo=False, timeout_s=240
-    )
-    assert result.results["world_size"] == 4
-    return result.results
+job = worker_jobs.worker_fixture("gpt_layouts_check.py", ["--steps", "3"], world_sizes=[4])
 
 
 def test_fsdp_x_tp_equals_one_process(job):

@@ -13,7 +13,6 @@ Formulas (per block, activations [B, T, d] of K = B T d x 8 bytes):
   sequence-parallel parameters' gradients per block after backward.
 """
 
-import pytest
 import worker_jobs
 
 from ddp_course.mesh_predictions import saved_block_bytes_formula
@@ -37,10 +36,7 @@ K = BATCH * SEQ * D * 8  # one [B, T, d] float64 activation, bytes
 WIRE = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}  # x (N-1)/N K per rank, ring
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}ranks")
-def job(request):
-    """One launched job per world size; its results feed every test below."""
-    return worker_jobs.run_worker("tp_gpt_check.py", ARGS, request.param)
+job = worker_jobs.worker_fixture("tp_gpt_check.py", ARGS, world_sizes=[2, 4])
 
 
 def failed(report):

@@ -26,10 +26,7 @@ ARGS = [
 ]
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}ranks")
-def job(request):
-    """One launched job per world size; its results feed every test below."""
-    return worker_jobs.run_worker("tensor_parallel_check.py", ARGS, request.param)
+job = worker_jobs.worker_fixture("tensor_parallel_check.py", ARGS, world_sizes=[2, 4])
 
 
 def test_parallel_mlp_equals_one_process(job):

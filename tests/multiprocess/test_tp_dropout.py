@@ -7,7 +7,6 @@ Megatron-LM keeps a second RNG state per tensor-parallel rank for the sharded re
 (model_parallel_cuda_manual_seed, get_cuda_rng_tracker().fork()); tp.ParallelRNG is it.
 """
 
-import pytest
 import worker_jobs
 
 LAYERS = 2
@@ -26,9 +25,7 @@ ARGS = [
 SHARDED = ("heads", "sequence shard")
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}ranks")
-def job(request):
-    return worker_jobs.run_worker("tp_dropout_check.py", ARGS, request.param)
+job = worker_jobs.worker_fixture("tp_dropout_check.py", ARGS, world_sizes=[2, 4])
 
 
 def wrong(report):
