@@ -1,5 +1,5 @@
 """The agent server's own side (see :mod:`.agent_server`): what runs in the warm process
-and in the agents it forks.
+and in the agents (and plain one-process runs) it forks.
 
 ``python -m ddp_course.harness.agent_fork FD ROOM`` is the server: it imports what an agent
 and its ranks need, says ``ready`` on the socket ``FD`` (one end of a socket pair whose other
@@ -165,7 +165,8 @@ class Messages:
 
 def _run_agent(request: Mapping[str, Any], fds: Sequence[int]) -> None:
     """In the forked agent: take the job's streams, folder and environment, run the
-    agent as ``python -m ddp_course.harness.loopback ARGS`` would, and exit."""
+    agent as ``python -m ddp_course.harness.loopback ARGS`` would (or, for a request of
+    kind ``script``, the script as ``python SCRIPT ARGS`` would), and exit."""
     os.setsid()  # a session of its own, as the launcher's Popen(start_new_session=True)
     for target, fd in enumerate(fds[:3]):
         os.dup2(fd, target)
@@ -178,29 +179,58 @@ def _run_agent(request: Mapping[str, Any], fds: Sequence[int]) -> None:
     set_command_line(request["command"])
     atexit._clear()  # the server's own exit functions are not the agent's
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    from . import loopback
-
-    sys.argv = [loopback.__file__, *request["args"]]
-    code = 0
+    run = _run_script if request.get("kind") == "script" else _run_loopback
     try:
-        loopback.main(request["args"])
-    except SystemExit as stop:
-        if stop.code is None or isinstance(stop.code, int):
-            code = stop.code or 0
-        else:
-            print(stop.code, file=sys.stderr)
-            code = 1
-    except BaseException:
-        sys.excepthook(*sys.exc_info())
-        code = 1
+        code = run(request["args"])
     finally:
-        atexit._run_exitfuncs()
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
             except (OSError, ValueError):
                 pass
     os._exit(code)
+
+
+def _run_loopback(args: Sequence[str]) -> int:
+    """torchrun's agent with ``args``; returns its exit code."""
+    from . import loopback
+
+    sys.argv = [loopback.__file__, *args]
+    code = 0
+    try:
+        loopback.main(list(args))
+    except SystemExit as stop:
+        code = _exit_code(stop)
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    finally:
+        atexit._run_exitfuncs()
+    return code
+
+
+def _run_script(args: Sequence[str]) -> int:
+    """``python SCRIPT *ARGS`` in this forked process (``args`` is ``[SCRIPT, *ARGS]``),
+    prepared as a forked rank is (:func:`.forked_ranks.rank_entrypoint`): a plain run,
+    such as a one-process reference, pays none of torch's imports. Returns the exit code
+    a new interpreter would have."""
+    from . import forked_ranks
+
+    run = forked_ranks.rank_entrypoint(None)
+    try:
+        run(*args)  # prints an uncaught exception as Python does, runs the exit functions
+    except SystemExit as stop:
+        return _exit_code(stop)
+    except BaseException:
+        return 1
+    return 0
+
+
+def _exit_code(stop: SystemExit) -> int:
+    if stop.code is None or isinstance(stop.code, int):
+        return stop.code or 0
+    print(stop.code, file=sys.stderr)  # sys.exit("message"), as Python prints it
+    return 1
 
 
 def _wait_for_agent(status: socket.socket, request: Mapping[str, Any], fds: Sequence[int]) -> None:

@@ -128,8 +128,8 @@ def _run_job(
 
     ``shown`` is the command as a learner would type it, printed first so a
     cell that echoes nothing still says what it is waiting for. ``served``: ``cmd``
-    is ``python -m ddp_course.harness.loopback ARGS``, to fork from the agent server
-    when the job's environment allows (:func:`_start`).
+    (``python -m ddp_course.harness.loopback ARGS`` or ``python SCRIPT ARGS``) is forked
+    from the agent server when the job's environment allows (:func:`_start`).
     """
     print(f"$ {shown}", flush=True)
     start = time.perf_counter()
@@ -380,6 +380,12 @@ def python(
         gpus: GPUs for the device rule; default
             :func:`ddp_course.runtime.gpu_count`.
 
+    On the CPU of a machine without a GPU the process is forked from the agent server
+    that CPU jobs' agents come from (:mod:`.agent_server`), past torch's imports (about
+    3 s of CPU less a run), unless ``DDP_COURSE_FORK_RANKS=0`` or
+    ``DDP_COURSE_AGENT_SERVER=0``, or ``env`` sets a variable read while torch imports:
+    then it starts as a new interpreter. ``cpu_s`` of the result is known when forked.
+
     ``logs`` of the result is ``{0: output}``. Raises as :func:`torchrun`,
     and ``ValueError`` if ``reference_for`` < 1.
     """
@@ -393,7 +399,9 @@ def python(
         if results_path is not None:
             cmd += ["--results", str(results_path)]
         shown = prefix + shlex.join(["python", shown_path(script), *args])
-        return _run_job(cmd, path, 1, timeout_s, env, echo, None, results_path, shown)
+        # Forked from the agent server like a CPU job's agent (not on a GPU machine).
+        served = _fork_ranks(None, env, single_node=True) and agent_server.enabled(env)
+        return _run_job(cmd, path, 1, timeout_s, env, echo, None, results_path, shown, served)
 
 
 def planned_env(

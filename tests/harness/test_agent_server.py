@@ -1,8 +1,10 @@
-"""torchrun's agents forked from a warm server (ddp_course.harness.agent_server): a
-served job runs as one started as a new interpreter, jobs whose environment the
-server cannot give start as before, and the server goes when its launcher goes."""
+"""torchrun's agents, and plain one-process runs, forked from a warm server
+(ddp_course.harness.agent_server): a served job runs as one started as a new
+interpreter, jobs whose environment the server cannot give start as before, and the
+server goes when its launcher goes."""
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -51,6 +53,54 @@ def test_a_served_agent_runs_the_job_as_a_new_agent_would(workers, tmp_path, mon
     assert served[0]["preloaded_at_start"]
     # What the agent and its ranks used, reported by the server's waiter.
     assert served_job.cpu_s > 0 and plain_job.cpu_s is None
+
+
+def _plain_view(workers, tmp_path, served, monkeypatch, args=()):
+    monkeypatch.setenv(agent_server.SERVER_ENV, "1" if served else "0")
+    goodbye = tmp_path / f"plain_atexit_{served}.txt"
+    job = launch.python(
+        workers / "rank_start_probe.py",
+        ["--atexit-file", str(goodbye), "--on-rank", "0", *args],
+        results=True,
+        echo=False,
+        gpus=0,
+    )
+    return job, job.results["views"][0], goodbye.read_text()
+
+
+def test_a_served_plain_run_runs_as_a_new_interpreter(workers, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    served_job, served, served_goodbye = _plain_view(workers, tmp_path, True, monkeypatch)
+    plain_job, plain, plain_goodbye = _plain_view(workers, tmp_path, False, monkeypatch)
+    # The script's process: forked by the server's waiter, or this process's child.
+    assert served.pop("agent_ancestors")[0] == launch._AGENTS.pid
+    assert plain.pop("agent_ancestors")[0] == psutil.Process().parent().pid
+    # Torch was imported before the script started only in the served run: what it saves.
+    assert served.pop("preloaded_at_start") and not plain.pop("preloaded_at_start")
+    # Its parent is the server's waiter or this process: what each reads differs.
+    for view in (served, plain):
+        del view["agent_command"], view["added_since_agent"]
+        view["argv"] = view["argv"][:2]  # the results files' names differ
+    assert served == plain
+    assert served["cwd"] == str(tmp_path) and served["name"] == "__main__"
+    assert served_goodbye == plain_goodbye == "rank 0 ran its atexit function\n"
+    assert served_job.cpu_s is not None and plain_job.cpu_s is None
+
+
+@pytest.mark.parametrize("served", [True, False], ids=["served", "new-interpreter"])
+def test_a_failing_plain_run_reads_the_same_served_or_not(workers, tmp_path, monkeypatch, served):
+    with pytest.raises(launch.LaunchError) as caught:
+        _plain_view(workers, tmp_path, served, monkeypatch, ["--fail"])
+    assert caught.value.returncode == 1
+    assert re.search(r"^ValueError: deliberate failure on rank 0$", caught.value.output, re.M)
+    assert caught.value.output.count("Traceback (most recent call last)") == 1
+    with pytest.raises(launch.LaunchError) as caught:
+        _plain_view(workers, tmp_path, served, monkeypatch, ["--exit", "3"])
+    assert caught.value.returncode == 3
+    with pytest.raises(launch.LaunchError) as caught:
+        _plain_view(workers, tmp_path, served, monkeypatch, ["--exit-message", "use another"])
+    assert caught.value.returncode == 1
+    assert caught.value.output.splitlines()[-1] == "use another"
 
 
 def test_a_variable_read_at_import_gets_a_new_interpreter(workers, tmp_path, monkeypatch):

@@ -2,9 +2,11 @@
 forked from torchrun's agent with one started as a new interpreter.
 
 ``--results FILE``: rank 0 gathers every rank's view and writes it. ``--fail``: rank 1
-raises after reporting; ``--exit N``: rank 1 calls ``sys.exit(N)``; ``--exit-message
-TEXT``: rank 1 calls ``sys.exit(TEXT)``. At exit each rank's
-``atexit`` function appends a line to ``--atexit-file``.
+(``--on-rank``) raises after reporting; ``--exit N``: it calls ``sys.exit(N)``;
+``--exit-message TEXT``: it calls ``sys.exit(TEXT)``. At exit each rank's ``atexit``
+function appends a line to ``--atexit-file``. Run as plain ``python`` (no torchrun) it is
+rank 0 of 1 and reports its own view, so a plain run forked from the agent server can be
+compared with one started as a new interpreter too.
 """
 
 import sys
@@ -37,6 +39,7 @@ parser.add_argument("--atexit-file", required=True)
 parser.add_argument("--fail", action="store_true")
 parser.add_argument("--exit", type=int)
 parser.add_argument("--exit-message")
+parser.add_argument("--on-rank", type=int, default=1, help="the rank that fails or exits")
 args = parser.parse_args()
 # The ports this process listens on before it opens any: a forked rank must not show
 # the agent's store sockets as its own.
@@ -81,12 +84,14 @@ with distributed() as ctx:
         "added_since_agent": ADDED_SINCE_AGENT,
         "agent_ancestors": [p.pid for p in psutil.Process().parent().parents()[:2]],
     }
-    views = [None] * ctx.world_size
-    dist.all_gather_object(views, view)
+    views = [view]
+    if dist.is_initialized():
+        views = [None] * ctx.world_size
+        dist.all_gather_object(views, view)
     write_results(ctx, args.results, {"views": views})
-    if ctx.rank == 1 and args.fail:
-        raise ValueError("deliberate failure on rank 1")
-    if ctx.rank == 1 and args.exit is not None:
+    if ctx.rank == args.on_rank and args.fail:
+        raise ValueError(f"deliberate failure on rank {ctx.rank}")
+    if ctx.rank == args.on_rank and args.exit is not None:
         sys.exit(args.exit)
-    if ctx.rank == 1 and args.exit_message is not None:
+    if ctx.rank == args.on_rank and args.exit_message is not None:
         sys.exit(args.exit_message)
