@@ -33,6 +33,7 @@ from ddp_course.harness.script_args import script_parser
 from ddp_course.models import LayerStack
 from ddp_course.runtime import distributed, get_logger, no_tf32
 from ddp_course.tools.records import write_results
+from ddp_course.tools.zero_counts import storage_bytes
 
 
 def parse_args():
@@ -101,7 +102,7 @@ def bucket_sizes(cap_mb, ctx, args):
     rebuilt = logged_sizes(model, "rebuilt_bucket_sizes")
     net = LayerStack(784, 256, 8).to(ctx.device)
     ours = BucketedDDP(net, **kwargs).bucket_bytes()
-    param_bytes = [p.numel() * p.element_size() for p in net.parameters()]
+    param_bytes = [storage_bytes([p]) for p in net.parameters()]
     return {"torch_first_iteration": first, "torch": rebuilt, "ours": ours,
             "parameter_bytes": param_bytes}
 
@@ -204,7 +205,7 @@ def memory_growth_mb(as_view, ctx, args):
     torch.manual_seed(0)
     net = LayerStack(784, args.mem_width, 8).to(ctx.device)
     before = memory_used(ctx.device)  # the parameters are not part of the growth
-    params_mb = sum(p.numel() * p.element_size() for p in net.parameters()) / 2**20
+    params_mb = storage_bytes(net.parameters()) / 2**20
     model = DDP(net, gradient_as_bucket_view=as_view)
     x, y = batch(ctx, 4, 0)
     F.cross_entropy(model(x), y).backward()

@@ -16,7 +16,6 @@ collectives of the last step as the course's CollectiveLog saw them, FSDP's form
 them, and the most bytes of full parameters it held at once.
 """
 
-import argparse
 import warnings
 
 import torch
@@ -28,6 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from ddp_course.data import synthetic_classification
 from ddp_course.fsdp import FSDP
+from ddp_course.harness.script_args import script_parser
 from ddp_course.models import MLP
 from ddp_course.runtime import distributed, get_logger, no_tf32, pick_backend, pick_device
 from ddp_course.sharding import ZeRO
@@ -44,11 +44,8 @@ KINDS = ("FSDP", "FSDP reshard_after_forward=False", "FSDP bfloat16", "ZeRO-3",
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=3, help="steps per variant and optimizer")
-    p.add_argument("--batch-size", type=int, default=16, help="samples per rank per step")
-    p.add_argument("--hidden", type=int, default=128, help="width of the MLP's hidden layers")
-    p.add_argument("--results", help="write the measurements here as JSON (rank 0)")
+    p = script_parser(__doc__, steps=3, batch_size=16, hidden=128, results=None,
+                      help={"steps": "steps per variant and optimizer"})
     return p.parse_args()
 
 

@@ -76,6 +76,7 @@ from ddp_course.tools.scaling import (
     fit_gustafson,
 )
 from ddp_course.tools.trace import load_trace, overlap_report, slim_trace
+from ddp_course.tools.zero_counts import storage_bytes
 from ddp_course.training import sgd_step_fn
 
 MODES = ["collectives", "scaling", "knobs", "model", "trace"]
@@ -381,7 +382,7 @@ def run_model(ctx, args, log):
         settings[("alone", cap)] = compute(("alone", cap), solo_ddp(cap)) if first else None
     for cap in args.caps:
         settings[("together", cap)] = compute(("together", cap), solo_ddp(cap))
-    grad_bytes = sum(p.numel() * p.element_size() for p in make_model(args, dev).parameters())
+    grad_bytes = storage_bytes(make_model(args, dev).parameters())
     sizes = message_sizes(16384, max(2 * grad_bytes, 32768), 4)
     for size in sizes:
         settings[("all_reduce", size)] = collective_fn("all_reduce", size, ctx)[0]

@@ -60,6 +60,7 @@ from ddp_course.tools.collective_log import CollectiveLog
 from ddp_course.tools.peak_memory import UnshardedPeak
 from ddp_course.tools.records import write_results
 from ddp_course.tools.saved_tensors import SavedTensorCounter
+from ddp_course.tools.zero_counts import storage_bytes
 
 
 def parse_args():
@@ -204,18 +205,15 @@ def fsdp_mixed_precision(args, ctx):
     optimizer = torch.optim.AdamW(model.parameters())
     optimizer.step()
 
-    def local(t):
-        t = t.to_local() if hasattr(t, "to_local") else t
-        return t.numel() * t.element_size()
-
     gathers = [c for c in comms.calls if c["op"] == "all_gather"]
     measured = {
-        "sharded_parameters": sum(local(p) for p in model.parameters()),
+        "sharded_parameters": storage_bytes(model.parameters(), per_tensor=True),
         "unsharded_bf16_block": gathers[1]["bytes"],  # block 0's, after the root's
         "gathered_dtypes": sorted({str(d) for g in gathered for d, _ in g}),
-        "sharded_gradients": sum(local(p.grad) for p in model.parameters()),
+        "sharded_gradients": storage_bytes((p.grad for p in model.parameters()), per_tensor=True),
         "gradient_dtypes": sorted({str(p.grad.dtype) for p in model.parameters()}),
-        "adamw_state": sum(local(v) for s in optimizer.state.values() for v in s.values()),
+        "adamw_state": storage_bytes((v for s in optimizer.state.values() for v in s.values()),
+                                     per_tensor=True),
     }
     tensors = len(list(model.parameters()))
     formula = {"sharded_parameters": 4 * local_params, "unsharded_bf16_block": 2 * block_padded,
@@ -296,7 +294,7 @@ def fsdp_checkpointing(args, ctx):
         no_ac = no_ac or params
 
     def nbytes(module):
-        return sum(p.numel() * p.element_size() for p in module.parameters())
+        return storage_bytes(module.parameters())
 
     return {"rows": rows, "model_bytes": nbytes(one), "block_bytes": nbytes(one.blocks[0]),
             "root_bytes": nbytes(one) - sum(nbytes(b) for b in one.blocks)}
