@@ -5,7 +5,9 @@ Every collective of PyTorch reaches the dispatcher as an operator: the
 the reducer of ``DistributedDataParallel`` (its bucket all-reduces, from C++),
 FSDP2 (``c10d::_allgather_base_``, ``c10d::_reduce_scatter_base_``), DTensor and
 the functional collectives (``_c10d_functional::all_reduce`` and friends),
-``batch_isend_irecv`` (one ``c10d::send`` or ``c10d::recv_`` per operation). A
+``batch_isend_irecv`` (one ``c10d::send`` or ``c10d::recv_`` per operation), and
+the collectives of a ``torch.compile``'d graph, which calls them as operators too
+(see :meth:`CollectiveLog.ignore_compile_internals`). A
 ``torch.utils._python_dispatch.TorchDispatchMode`` sees each of them, as
 PyTorch's own ``torch.distributed.tensor.debug.CommDebugMode`` does for DTensor
 (https://pytorch.org/docs/stable/distributed.tensor.html, debugging), so one
@@ -152,6 +154,10 @@ class _OtherThread(TorchDispatchMode):
         super().__init__()
         self.log = log
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # see CollectiveLog.ignore_compile_internals
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return self.log.log_and_run(func, types, args, kwargs)
 
@@ -190,6 +196,22 @@ class CollectiveLog(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return self.log_and_run(func, types, args, kwargs)
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """True: ``torch.compile``'d code inside ``recording()`` stays compiled.
+
+        By default Dynamo will not compile a frame while a dispatch mode is on (it
+        skips it: "non-infra torch dispatch mode present"), so the code would run
+        eagerly and the log would count eager's collectives, not the compiled
+        graph's. With this, Dynamo traces and compiles with the log turned off and
+        runs the compiled graph with it on
+        (``torch.utils._python_dispatch.TorchDispatchMode.ignore_compile_internals``,
+        as PyTorch's own ``DebugMode`` does): what the graph fuses is not seen, but a
+        collective is never fused, and the compiled graph calls it through the
+        dispatcher, where the log sees it.
+        """
+        return True
 
     def log_and_run(self, func, types, args=(), kwargs=None):
         """Log ``func`` if it is a collective (see :data:`OPS`), then run it unchanged."""

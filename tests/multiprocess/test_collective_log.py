@@ -1,8 +1,8 @@
 """The collective log sees every path a collective can take, on 4 gloo ranks (a 2 x 2 mesh):
 ``torch.distributed``'s functions, DDP's reducer, FSDP2, DTensor, functional collectives,
-``batch_isend_irecv``; each is checked against tensor sizes known beforehand or against
-a record made another way (a DDP communication hook, the parameters' sizes, PyTorch's
-``CommDebugMode``)."""
+``batch_isend_irecv``, compiled graphs; each is checked against tensor sizes known
+beforehand or against a record made another way (a DDP communication hook, the parameters'
+sizes, PyTorch's ``CommDebugMode``, the same model run eagerly)."""
 
 import pathlib
 
@@ -109,6 +109,26 @@ def test_dtensor_collectives_match_comm_debug_mode(ranks):
         assert {(c["op"], c["path"], c["dims"]) for c in calls} == {
             ("all_reduce", "functional", "tp")
         }
+
+
+def test_collectives_inside_compiled_graphs_are_logged_and_stay_compiled(ranks):
+    for r in ranks:
+        # One graph compiled, run twice under the log: both all-reduces seen, on tp.
+        assert r["compiled_graphs"] == 1
+        assert (
+            brief(phase(r, "compiled function"), "op", "path", "bytes", "dims")
+            == [("all_reduce", "functional", 192, "tp")] * 2
+        )
+        assert r["compiled_value"] == 2 * 2 + 1  # 2 ranks in tp, each adding 2 x 1.0
+        # DDP around a compiled module: compiled graphs ran, and every gradient byte was
+        # all-reduced over dp, as eager. The buckets differ: the compiled backward hands
+        # DDP its gradients in another order, and DDP rebuilds its buckets in that order.
+        assert r["ddp_compiled_graphs"] >= 1
+        eager = brief(phase(r, "ddp eager"), "op", "bytes", "dims")
+        assert eager == [("all_reduce", (512 * 512 + 512) * 4, "dp")] * 3
+        compiled = brief(phase(r, "ddp compiled"), "op", "bytes", "dims")
+        assert {(op, dims) for op, _, dims in compiled} == {("all_reduce", "dp")}
+        assert sum(b for _, b, _ in compiled) == sum(b for _, b, _ in eager)
 
 
 def test_recording_without_a_process_group_is_a_clear_error():

@@ -10,7 +10,10 @@ compare the two:
   their sizes follow from the parameters;
 - DTensor's tensor parallelism: ``CommDebugMode`` counts its collectives;
 - arithmetic without a collective: nothing logged; an all-reduce started on another
-  thread: logged.
+  thread: logged;
+- collectives inside ``torch.compile``'d code: a compiled function's functional
+  all-reduce (one graph compiled, not skipped for the log's sake: Dynamo's counters),
+  and DDP's bucket all-reduces around a compiled module against the same model eager.
 
     torchrun --nproc_per_node=4 tests/workers/collective_log_check.py
 """
@@ -22,6 +25,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import worker_checks  # tests/workers/, the script's folder
 from torch import nn
+from torch._dynamo.backends.registry import lookup_backend
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.debug import CommDebugMode
@@ -129,6 +133,57 @@ def tensor_parallel(ctx, mesh, log, out):
     out["tp_comm_debug"] = {str(k): v for k, v in debug.get_comm_counts().items()}
 
 
+def compiled(ctx, mesh, log, out):
+    """Collectives that run inside compiled graphs, logged while the graphs stay compiled."""
+    group = mesh["tp"].get_group()
+
+    def step(x):
+        return funcol.all_reduce(x * 2, "sum", group) + 1
+
+    aot_eager = lookup_backend("aot_eager")
+    stats = torch._dynamo.utils.counters["stats"]
+    torch._dynamo.reset()
+    graphs = stats["unique_graphs"]
+    fn = torch.compile(step, backend="aot_eager", fullgraph=True)
+    x = torch.ones(6, 4, dtype=torch.float64)  # 192 bytes
+    with log.recording("compiled function"):
+        y = fn(x)  # compiled on this first call, with the log off while Dynamo traces
+        fn(x)  # the compiled graph again
+    out["compiled_graphs"] = stats["unique_graphs"] - graphs
+    out["compiled_value"] = y[0, 0].item()
+
+    # DDP around a compiled module (torchtitan's order: compile, then wrap): the module's
+    # forward and backward run as compiled graphs, DDP's reducer all-reduces its buckets.
+    graphs = []  # what the backend is handed
+
+    def counting_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return aot_eager(graph_module, example_inputs)
+
+    torch.manual_seed(0)
+    layers = nn.Sequential(*[nn.Linear(512, 512) for _ in range(3)])  # 1 MiB each
+    group = mesh["dp"].get_group()
+    compiled_model = DDP(
+        torch.compile(layers, backend=counting_backend), process_group=group, bucket_cap_mb=1
+    )
+    torch.manual_seed(0)
+    eager_model = DDP(
+        nn.Sequential(*[nn.Linear(512, 512) for _ in range(3)]),
+        process_group=group,
+        bucket_cap_mb=1,
+    )
+    x = torch.randn(2, 512)
+    # The first step compiles and builds the buckets; the second rebuilds them in the
+    # order the gradients came (rank 0 broadcasts the order: two int32 tensors).
+    for _ in range(2):
+        compiled_model(x).sum().backward()
+        eager_model(x).sum().backward()
+    for phase, run in (("ddp compiled", compiled_model), ("ddp eager", eager_model)):
+        with log.recording(phase):
+            run(x).sum().backward()
+    out["ddp_compiled_graphs"] = len(graphs)
+
+
 with distributed(device="cpu") as ctx:
     mesh = init_device_mesh("cpu", (2, ctx.world_size // 2), mesh_dim_names=("dp", "tp"))
     log = CollectiveLog(mesh)
@@ -137,6 +192,7 @@ with distributed(device="cpu") as ctx:
     ddp(ctx, log, out)
     fsdp(ctx, mesh, log, out)
     tensor_parallel(ctx, mesh, log, out)
+    compiled(ctx, mesh, log, out)
     out["calls"] = log.calls
     everyone = [None] * ctx.world_size
     dist.all_gather_object(everyone, out)
