@@ -12,6 +12,7 @@ any flattenable shape for the MLP) and return logits
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -27,6 +28,7 @@ __all__ = [
     "LayerStack",
     "SmallCNN",
     "TinyGPT",
+    "causal_attention",
     "conv_output_features",
     "lm_loss",
     "resnet18_mnist",
@@ -212,6 +214,47 @@ class FeedForward(nn.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 
+def causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout: float,
+    flash: bool,
+    rng: contextlib.AbstractContextManager | None = None,
+) -> torch.Tensor:
+    """Causal scaled dot-product attention with dropout on the probabilities:
+    ``dropout(softmax(Q K^T / sqrt(head_dim) + causal mask)) V`` (Vaswani et al. 2017).
+
+    The one attention core of the course: :class:`CausalSelfAttention` calls it, and so
+    does tensor parallelism's attention on its heads
+    (``ddp_course.tensor_parallel.ParallelAttention``).
+
+    Args:
+        q, k, v: ``[B, heads, T, head_dim]``, one dtype.
+        dropout: the probability of dropping an attention probability (0 in eval).
+        flash: ``True`` calls ``torch.nn.functional.scaled_dot_product_attention`` (a fused
+            kernel that keeps no ``[T, T]`` matrix for backward); ``False`` writes it out.
+        rng: a context manager entered around the random draw (the dropout), e.g. a
+            tensor-parallel rank's own generator; ``None`` draws from the default one.
+
+    Returns:
+        ``[B, heads, T, head_dim]``, in q's dtype.
+    """
+    rng = contextlib.nullcontext() if rng is None else rng
+    if flash:
+        with rng:
+            return functional.scaled_dot_product_attention(
+                q, k, v, dropout_p=dropout, is_causal=True
+            )
+    seq = q.shape[-2]
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    mask = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    with rng:
+        probs = functional.dropout(probs, dropout)
+    return probs @ v
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with separate Q, K, V projections.
 
@@ -270,13 +313,7 @@ class CausalSelfAttention(nn.Module):
             ``[B, heads, T, head_dim]``, in q's dtype.
         """
         p = self.dropout if self.training else 0.0
-        if self.flash:
-            return functional.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        seq = q.shape[-2]
-        scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)
-        mask = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
-        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
-        return functional.dropout(probs, p) @ v
+        return causal_attention(q, k, v, p, self.flash)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self._heads(self.q(x)), self._heads(self.k(x)), self._heads(self.v(x))

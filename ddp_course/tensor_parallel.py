@@ -48,7 +48,6 @@ plans for ``torch.distributed.tensor.parallel.parallelize_module``
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 import torch.distributed as dist
@@ -56,7 +55,7 @@ from torch import nn
 from torch.nn import functional
 
 from .collectives import group_rank_and_size
-from .models import FeedForward
+from .models import FeedForward, causal_attention
 from .parallel_rng import ParallelRNG, region_seed
 from .partition import check_rank, partition
 
@@ -413,18 +412,8 @@ class ParallelAttention(nn.Module):
         q, k, v = self._heads(q), self._heads(k), self._heads(v)
         p = self.dropout if self.training else 0.0
         # This rank's heads: their dropout masks must differ from the other ranks'.
-        rng = self.sharded_rng(q.device) if p > 0 else contextlib.nullcontext()
-        if self.flash:
-            with rng:
-                y = functional.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        else:
-            seq = q.shape[-2]
-            scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)
-            mask = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
-            probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
-            with rng:
-                probs = functional.dropout(probs, p)
-            y = probs @ v
+        rng = self.sharded_rng(q.device) if p > 0 else None
+        y = causal_attention(q, k, v, p, self.flash, rng)
         return functional.linear(y.transpose(1, 2).reshape(batch, seq, -1), self.proj.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
