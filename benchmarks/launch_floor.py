@@ -1,6 +1,7 @@
 """What a short torchrun job costs before its work, started three ways: every process a
 new interpreter (plain torchrun), ranks forked from the agent, and the agent forked from
-the launcher's agent server too (the launcher's default on the CPU).
+the launcher's agent server too (the launcher's default on the CPU); and what a plain
+one-process run costs, a new interpreter or forked from the same server.
 
     python benchmarks/launch_floor.py --results benchmarks/cpu-2core/launch_floor.json
 
@@ -33,6 +34,9 @@ JOBS = {
         2,
     ),
     "hello, 4 ranks": ("scripts/00_hello_ranks.py", [], 4),
+    # No torchrun: launch.python, as a lesson's one-process reference runs. Ranks are not
+    # forked here, so "forked ranks" starts a new interpreter, as the first mode does.
+    "hello, plain python": ("scripts/00_hello_ranks.py", [], 0),
 }
 
 
@@ -53,7 +57,11 @@ def measure(script: str, args: list[str], nproc: int, mode: str) -> dict[str, fl
     fork, served = MODES[mode]
     os.environ[agent_server.SERVER_ENV] = "1" if served else "0"
     cpu, start = _children_cpu_s(), time.perf_counter()
-    job = launch.torchrun(script, args, nproc=nproc, echo=False, gpus=0, fork_ranks=fork)
+    if nproc == 0:
+        os.environ[agent_server.SERVER_ENV] = "1" if fork and served else "0"
+        job = launch.python(script, args, echo=False, gpus=0)
+    else:
+        job = launch.torchrun(script, args, nproc=nproc, echo=False, gpus=0, fork_ranks=fork)
     wall = time.perf_counter() - start
     return {"cpu_s": job.cpu_s if served else _children_cpu_s() - cpu, "wall_s": wall}
 

@@ -31,8 +31,8 @@ Only variables read when a process starts need care: the server imported torch
 under the environment it was started with, so a job whose environment differs
 from it in anything but :data:`RUNTIME_VARIABLES` (variables the agent and ranks
 read later, e.g. ``DDP_COURSE_DEVICE``, ``GLOO_SOCKET_IFNAME``) starts its agent as
-a new interpreter, as before; and when the launcher's own environment changes, the
-next job gets a new server. ``DDP_COURSE_AGENT_SERVER=0`` turns the server off
+a new interpreter, as before; and when the launcher's own environment changes in
+anything else, the next job gets a new server. ``DDP_COURSE_AGENT_SERVER=0`` turns the server off
 (:func:`enabled`); ``DDP_COURSE_FORK_RANKS=0`` turns off both.
 """
 
@@ -66,15 +66,19 @@ SERVER_ENV = "DDP_COURSE_AGENT_SERVER"
 
 # Variables a job may set that no process reads while it imports torch: the course's
 # own (read when a script runs), the interfaces gloo and nccl bind (read when a group
-# is made), torchrun's store sharing (read by the agent at rendezvous) and the thread
-# count (the ranks set torch's pool from it, see .forked_ranks). A job that sets
-# anything else starts its agent as a new interpreter.
+# is made), torchrun's store sharing (read by the agent at rendezvous), the thread
+# count (the ranks set torch's pool from it, see .forked_ranks) and the test pytest is
+# running (it sets PYTEST_CURRENT_TEST for each; were it counted, every test of a suite
+# would start a server of its own). A job that sets anything else starts its agent as
+# a new interpreter, and a launcher whose environment changed in anything else gets a
+# new server.
 RUNTIME_VARIABLES = (
     "DDP_COURSE_",
     "GLOO_SOCKET_IFNAME",
     "NCCL_SOCKET_IFNAME",
     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
     "OMP_NUM_THREADS",
+    "PYTEST_CURRENT_TEST",
 )
 
 _START_TIMEOUT_S = 120.0
@@ -269,7 +273,9 @@ class AgentServer:
 class ServerSlot:
     """The one :class:`AgentServer` of a launching process (a notebook's kernel, a test
     worker), started on first use and replaced by a new one when the environment it
-    would start with, or the harness files its agents run, changed since.
+    would start with changed since in a variable read while torch imports (anything
+    but :data:`RUNTIME_VARIABLES`, see :func:`servable`), or the harness files its
+    agents run changed.
 
     Raises (from :meth:`get`):
         OSError: a new server did not start.
@@ -291,7 +297,7 @@ class ServerSlot:
         sources = _harness_sources()
         with self._lock:
             server = self._server
-            stale = server is None or not server.alive() or server.env != dict(env)
+            stale = server is None or not server.alive() or not servable(server.env, env)
             if stale or sources != self._sources:
                 if server is not None:
                     server.close()

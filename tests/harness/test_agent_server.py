@@ -112,6 +112,11 @@ def test_a_variable_read_at_import_gets_a_new_interpreter(workers, tmp_path, mon
     # A variable the ranks read only later is served.
     _, views = _views(workers, tmp_path, True, monkeypatch, env={"GLOO_SOCKET_IFNAME": "lo"})
     assert views[0]["agent_ancestors"][1] == server
+    # pytest names the running test in the launcher's environment, anew for each test:
+    # the same server serves them all.
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/another.py::test_another (call)")
+    _, views = _views(workers, tmp_path, True, monkeypatch)
+    assert views[0]["agent_ancestors"][1] == server
     # The launcher's own environment changed: a new server, the old one gone.
     monkeypatch.setenv("DDP_COURSE_TEST_UNRELATED", "1")
     monkeypatch.setenv("SOME_LIBRARY_SETTING", "1")
