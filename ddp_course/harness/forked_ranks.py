@@ -207,10 +207,22 @@ def rank_entrypoint(tempdir: str | None) -> Callable[..., None]:
         except BaseException:
             # What Python does with an uncaught exception: torch's distributed
             # excepthook, when a process group set it, prefixes each line with the rank.
-            sys.excepthook(*sys.exc_info())
+            kind, error, tb = sys.exc_info()
+            tb = _from_script(tb, script)
+            sys.excepthook(kind, error.with_traceback(tb), tb)  # it prints __traceback__
             raise
         finally:
             sys.stderr.flush()
             atexit._run_exitfuncs()
 
     return run
+
+
+def _from_script(tb, script: str):
+    # A new interpreter's traceback starts in the script; this one starts in run() and
+    # runpy, which compiled the script under its absolute path: drop those frames, so
+    # that a learner reads the traceback a plain run would print.
+    start = tb
+    while start is not None and start.tb_frame.f_code.co_filename != os.path.abspath(script):
+        start = start.tb_next
+    return tb if start is None else start

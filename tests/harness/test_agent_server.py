@@ -94,6 +94,9 @@ def test_a_failing_plain_run_reads_the_same_served_or_not(workers, tmp_path, mon
     assert caught.value.returncode == 1
     assert re.search(r"^ValueError: deliberate failure on rank 0$", caught.value.output, re.M)
     assert caught.value.output.count("Traceback (most recent call last)") == 1
+    # It starts in the script, as a new interpreter's does, not in the harness.
+    first = re.search(r"most recent call last\):\n  File \"(.*?)\"", caught.value.output)
+    assert first[1].endswith("rank_start_probe.py"), caught.value.output
     with pytest.raises(launch.LaunchError) as caught:
         _plain_view(workers, tmp_path, served, monkeypatch, ["--exit", "3"])
     assert caught.value.returncode == 3
