@@ -68,6 +68,7 @@ from .jobs import (
     start_job,
     wait_job,
 )
+from .loopback import agent_command
 from .ports import free_port, is_multi_node, loopback_interface
 
 __all__ = [
@@ -273,12 +274,7 @@ def torchrun(
         agent_tmp = pathlib.Path(tmp, "agent")
         agent_tmp.mkdir()
         cmd = [
-            sys.executable,
-            "-m",
-            "ddp_course.harness.loopback",
-            "--tmpdir",
-            str(agent_tmp),
-            *(["--fork-ranks"] if fork_ranks else []),
+            *agent_command(agent_tmp, fork_ranks),
             f"--nproc_per_node={nproc}",
             "--rdzv-backend=c10d",
             # Port 0: the agent binds a free port itself, so no other job can take the

@@ -10,6 +10,7 @@ starts every job this way. ``--fork-ranks`` forks the ranks from the agent
 from __future__ import annotations
 
 import ipaddress
+import os
 import socket
 import sys
 import tempfile
@@ -91,6 +92,19 @@ def serve_on_loopback(host: str, port: int) -> Any | None:
     return _loopback_tcpstore(dist.TCPStore)(
         host, port, is_master=True, wait_for_workers=False, multi_tenant=True
     )
+
+
+def agent_command(tmpdir: str | os.PathLike, fork_ranks: bool) -> list[str]:
+    """The start of an agent's command line: ``python -m ddp_course.harness.loopback
+    --tmpdir TMPDIR [--fork-ranks]``, to which the launchers add torchrun's arguments."""
+    return [
+        sys.executable,
+        "-m",
+        "ddp_course.harness.loopback",
+        "--tmpdir",
+        str(tmpdir),
+        *(["--fork-ranks"] if fork_ranks else []),
+    ]
 
 
 def main(argv: Sequence[str]) -> None:

@@ -34,7 +34,6 @@ import pathlib
 import shlex
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -43,6 +42,7 @@ from typing import Any
 
 from ..runtime import DEVICE_ENV
 from . import failures, forked_ranks, jobs, launch, multinode_logs
+from .loopback import agent_command
 
 __all__ = [
     "SIMULATED_NODES_DEVICE",
@@ -118,6 +118,20 @@ class MultiNodeResult:
     wall_s: float
 
 
+def _node_flags(node: Node, nnodes: str, endpoint: str, run_id: str) -> list[str]:
+    # torchrun's flags for one node of a multi-node job: what the agent gets and what
+    # the learner is shown alike.
+    return [
+        f"--nnodes={nnodes}",
+        f"--node-rank={node.node_rank}",
+        f"--nproc-per-node={node.nproc}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={run_id}",
+        f"--local-addr={node.addr}",
+    ]
+
+
 def _agent_cmd(
     node: Node,
     nnodes: str,
@@ -131,19 +145,8 @@ def _agent_cmd(
     fork_ranks: bool,
 ) -> list[str]:
     cmd = [
-        sys.executable,
-        "-m",
-        "ddp_course.harness.loopback",
-        "--tmpdir",
-        str(agent_tmp),
-        *(["--fork-ranks"] if fork_ranks else []),
-        f"--nnodes={nnodes}",
-        f"--node-rank={node.node_rank}",
-        f"--nproc-per-node={node.nproc}",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint={endpoint}",
-        f"--rdzv-id={run_id}",
-        f"--local-addr={node.addr}",
+        *agent_command(agent_tmp, fork_ranks),
+        *_node_flags(node, nnodes, endpoint, run_id),
         f"--log-dir={log_dir}",
         "--tee=3",
         "--local-ranks-filter=0",
@@ -180,13 +183,7 @@ def _shown_command(
         [
             *prefix,
             "torchrun",
-            f"--nnodes={nnodes}",
-            f"--node-rank={node.node_rank}",
-            f"--nproc-per-node={node.nproc}",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={endpoint}",
-            f"--rdzv-id={run_id}",
-            f"--local-addr={node.addr}",
+            *_node_flags(node, nnodes, endpoint, run_id),
             *extra,
             *node.torchrun_args,
             jobs.shown_path(script),
