@@ -4,7 +4,8 @@
 a test or the shell (with :mod:`.jobs`, :mod:`.failures`, :mod:`.ports`,
 :mod:`.loopback`, :mod:`.forked_ranks`, :mod:`.agent_server` and :mod:`.agent_fork`
 behind it);
-``multinode`` (its nodes' logs read back by :mod:`.multinode_logs`), ``netns`` and
+``multinode`` (its nodes' commands built by :mod:`.multinode_commands`, their logs read back
+by :mod:`.multinode_logs`), ``netns`` and
 ``slurm`` (with :mod:`.slurm_install` and :mod:`.slurm_jobs`) launch jobs that span
 several nodes; ``cli`` is ``python -m ddp_course``; ``gpu_check`` runs the course on a
 GPU machine (its plan in :mod:`.gpu_plan`, its pytest reports in :mod:`.gpu_reports`,

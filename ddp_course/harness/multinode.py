@@ -31,7 +31,6 @@ import dataclasses
 import json
 import os
 import pathlib
-import shlex
 import signal
 import subprocess
 import tempfile
@@ -42,7 +41,7 @@ from typing import Any
 
 from ..runtime import DEVICE_ENV
 from . import failures, forked_ranks, jobs, launch, multinode_logs
-from .loopback import agent_command
+from .multinode_commands import SHOWN_ENV, agent_cmd, shown_command
 
 __all__ = [
     "SIMULATED_NODES_DEVICE",
@@ -116,80 +115,6 @@ class MultiNodeResult:
     output: dict[int, str]
     results: Any
     wall_s: float
-
-
-def _node_flags(node: Node, nnodes: str, endpoint: str, run_id: str) -> list[str]:
-    # torchrun's flags for one node of a multi-node job: what the agent gets and what
-    # the learner is shown alike.
-    return [
-        f"--nnodes={nnodes}",
-        f"--node-rank={node.node_rank}",
-        f"--nproc-per-node={node.nproc}",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint={endpoint}",
-        f"--rdzv-id={run_id}",
-        f"--local-addr={node.addr}",
-    ]
-
-
-def _agent_cmd(
-    node: Node,
-    nnodes: str,
-    endpoint: str,
-    run_id: str,
-    agent_tmp: pathlib.Path,
-    log_dir: pathlib.Path,
-    extra: Sequence[str],
-    script: pathlib.Path,
-    args: Sequence[str],
-    fork_ranks: bool,
-) -> list[str]:
-    cmd = [
-        *agent_command(agent_tmp, fork_ranks),
-        *_node_flags(node, nnodes, endpoint, run_id),
-        f"--log-dir={log_dir}",
-        "--tee=3",
-        "--local-ranks-filter=0",
-        *extra,
-        *node.torchrun_args,
-        str(script.resolve()),
-        *args,
-    ]
-    if node.netns is not None:
-        cmd = ["ip", "netns", "exec", node.netns, *cmd]
-    return cmd
-
-
-# What a node needs in its environment on a real cluster too: shown in front of
-# the command each node runs (the launcher's own variables are not).
-_SHOWN_ENV = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
-
-
-def _shown_command(
-    node: Node,
-    nnodes: str,
-    endpoint: str,
-    run_id: str,
-    env: Mapping[str, str],
-    extra: Sequence[str],
-    script: str | os.PathLike,
-    args: Sequence[str],
-) -> str:
-    """The command a learner would type on that node: its environment variables, then
-    torchrun with every flag the agent gets (``--rdzv-id`` and ``--local-addr`` too)."""
-    assignments = [f"{k}={v}" for k, v in env.items()]
-    prefix = ["ip", "netns", "exec", node.netns, "env", *assignments] if node.netns else assignments
-    return shlex.join(
-        [
-            *prefix,
-            "torchrun",
-            *_node_flags(node, nnodes, endpoint, run_id),
-            *extra,
-            *node.torchrun_args,
-            jobs.shown_path(script),
-            *args,
-        ]
-    )
 
 
 def torchrun_nodes(
@@ -281,7 +206,7 @@ def torchrun_nodes(
         port = launch.free_port("127.0.0.1" if nodes[0].netns else nodes[0].addr)
         endpoint = f"{nodes[0].addr}:{port}"
     env = dict(env or {})
-    given_env = list(env)  # shown in the printed commands, with _SHOWN_ENV
+    given_env = list(env)  # shown in the printed commands, with SHOWN_ENV
     asked = env.get(DEVICE_ENV, SIMULATED_NODES_DEVICE)
     if asked != SIMULATED_NODES_DEVICE:
         raise ValueError(
@@ -316,7 +241,7 @@ def torchrun_nodes(
             agent_tmp.mkdir()
             job_args = [*args, *(["--results", str(results_path)] if results_path else [])]
             cmds.append(
-                _agent_cmd(
+                agent_cmd(
                     node,
                     nnodes,
                     endpoint,
@@ -341,8 +266,8 @@ def torchrun_nodes(
                 node_env.setdefault("GLOO_SOCKET_IFNAME", node.ifname)
                 node_env.setdefault("NCCL_SOCKET_IFNAME", node.ifname)
             envs.append(node_env)
-            shown_env = {k: node_env[k] for k in [*given_env, *_SHOWN_ENV] if k in node_env}
-            shown = _shown_command(
+            shown_env = {k: node_env[k] for k in [*given_env, *SHOWN_ENV] if k in node_env}
+            shown = shown_command(
                 node,
                 nnodes,
                 endpoint,
