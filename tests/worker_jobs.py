@@ -22,7 +22,7 @@ def run_worker(name: str, args: list[str], nproc: int, timeout_s: float = 240.0)
     job = launch.torchrun(
         WORKERS / name, args, nproc=nproc, results=True, echo=False, timeout_s=timeout_s
     )
-    world = job.results.get("world_size", len(job.results.get("per_rank", ())))
+    world = job.results["world_size"]
     assert world == nproc, f"{name} reported world size {world}, launched {nproc}"
     return job.results
 

@@ -143,13 +143,13 @@ def compiled(ctx, mesh, log, out):
     aot_eager = lookup_backend("aot_eager")
     stats = torch._dynamo.utils.counters["stats"]
     torch._dynamo.reset()
-    graphs = stats["unique_graphs"]
+    before = stats["unique_graphs"]
     fn = torch.compile(step, backend="aot_eager", fullgraph=True)
     x = torch.ones(6, 4, dtype=torch.float64)  # 192 bytes
     with log.recording("compiled function"):
         y = fn(x)  # compiled on this first call, with the log off while Dynamo traces
         fn(x)  # the compiled graph again
-    out["compiled_graphs"] = stats["unique_graphs"] - graphs
+    out["compiled_graphs"] = stats["unique_graphs"] - before
     out["compiled_value"] = y[0, 0].item()
 
     # DDP around a compiled module (torchtitan's order: compile, then wrap): the module's

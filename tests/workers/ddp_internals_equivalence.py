@@ -211,4 +211,4 @@ with distributed() as ctx:
 
     gathered = [None] * n
     dist.all_gather_object(gathered, results)
-    write_results(ctx, args.results, {"per_rank": gathered})
+    write_results(ctx, args.results, {"world_size": n, "per_rank": gathered})
