@@ -31,7 +31,8 @@ and exact evaluation loops), ``data`` and ``models``.
 Two subpackages hold the rest: ``tools`` measures and diagnoses a job
 (``collective_log``, ``bench``, ``scaling``, ``trace``, ``monitor``, ``debug``,
 ``flops``, ``saved_tensors``, ``op_counts``, ``peak_memory``, ``kineto_log``,
-``mesh_counts``, ``mesh_suite``, ``parallel_gpt_counts``, ``zero_counts``, ``fsdp_units``);
+``mesh_counts``, ``mesh_suite``, ``parallel_gpt_counts``, ``zero_counts``, ``fsdp_units``,
+``graph_count``);
 ``harness`` runs the course (``launch`` and its parts, ``restarts``, ``multinode``,
 ``netns``, ``slurm`` and their parts, the command line ``cli``, ``gpu_check`` and its
 parts, the scripts' shared flags ``script_args``, and the notebooks' ``notebook``

@@ -7,6 +7,7 @@ training step counted per phase and mesh dimension, lesson 13), ``saved_tensors`
 autograd saves for backward, each storage once, lessons 13 and 14), ``op_counts`` (the ATen
 operations that run: what a checkpoint recomputes, lesson 14), ``peak_memory`` (a training
 step's allocator peak and the gathered weights FSDP2 holds at once, lesson 14),
+``graph_count`` (the graphs ``torch.compile`` builds and why it recompiled, lesson 16),
 ``kineto_log`` (the profiler's own start-up lines kept out of a lesson's output),
 ``bench`` (timing, busbw, alpha-beta fits, result files), ``scaling`` (speed-up,
 efficiency, a step-time model), ``trace`` (profiler traces: how much communication

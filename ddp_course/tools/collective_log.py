@@ -296,7 +296,10 @@ class CollectiveLog(TorchDispatchMode):
         def on_any_thread(original):
             @functools.wraps(original)
             def call(*args, **kwargs):
-                if threading.get_ident() == here:  # this thread's mode sees it already
+                # Dynamo traces the call into a graph (compiled autograd traces a gradient
+                # hook's all-reduce) and cannot trace get_ident: the graph's collective runs
+                # under this mode anyway.
+                if torch.compiler.is_compiling() or threading.get_ident() == here:
                     return original(*args, **kwargs)
                 with _OtherThread(self):
                     return original(*args, **kwargs)
