@@ -11,8 +11,10 @@ rank trains the same MLP for --steps SGD steps on its own batches, wrapped in
 DDP with --bucket-cap-mb, once per variant: eager DDP; DDP around a compiled
 module, with the DDP optimizer (torch._dynamo.config.optimize_ddp=True: one
 graph per bucket), without it (one graph), and with compiled autograd
-(optimize_ddp="python_reducer"); compile around DDP (the other order); and
-find_unused_parameters=True and no_sync, eager and compiled. For each it
+(optimize_ddp="python_reducer"); compile around DDP (the other order);
+find_unused_parameters=True and no_sync, eager and compiled; and, without DDP,
+each gradient all-reduced in its own hook under compiled autograd, with and
+without an .item() in the hook (a graph break per hook). For each it
 counts the graphs Dynamo hands the backend and the parameter bytes each reads
 (ddp_course.tools.graph_count), logs every collective of the last step
 (ddp_course.tools.collective_log), records the order in which the bucket

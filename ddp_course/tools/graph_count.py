@@ -28,8 +28,8 @@ from torch._dynamo.backends.registry import lookup_backend
 
 __all__ = ["GraphCounter", "recompile_reasons", "COLLECTIVE_TARGETS"]
 
-# The operators a graph calls to communicate: the functional collectives, which
-# DTensor, compiled autograd's DDP reducer and the DDP optimizer's graphs use.
+# The operators a graph calls to communicate: the functional collectives, which DTensor,
+# compiled autograd's DDP reducer and traced gradient hooks put in a graph.
 COLLECTIVE_TARGETS = ("_c10d_functional.", "c10d.")
 # Where torch/_dynamo/guards.py logs its recompiles artifact.
 RECOMPILES_LOGGER = "torch._dynamo.guards.__recompiles"
