@@ -18,7 +18,8 @@ FSDP2 (part 1): TinyGPT's blocks compiled one by one, then sharded (torchtitan's
 order: tensor parallel, activation checkpointing, compile, FSDP), then the root
 sharded, over a 1-D mesh of every rank; --steps SGD steps on the same global batches
 as eager FSDP2 built the same way and as one process on the whole batch. Then the
-whole sharded model compiled at once, with and without fullgraph=True. For each:
+same with each block in lesson 14's checkpoint wrapper before it is compiled; then
+the whole sharded model compiled at once, with and without fullgraph=True. For each:
 the parameters' gap to eager FSDP2 and to one process, the graphs compiled, the
 graph breaks, and every step's collectives (the course's CollectiveLog: op, calls,
 bytes) against eager FSDP2's.
@@ -49,6 +50,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from ddp_course import mesh_runs as runs
 from ddp_course.harness.script_args import script_parser
 from ddp_course.models import Block, lm_loss
+from ddp_course.recompute_policies import CheckpointWrapper
 from ddp_course.runtime import distributed, get_logger
 from ddp_course.tools.collective_log import CollectiveLog
 from ddp_course.tools.graph_count import GraphCounter
@@ -108,6 +110,11 @@ def graph_report(graphs):
         # DTensor's own calls: where AOT autograd puts the collectives.
         "dtensor_nodes_dynamo": dict(sorted(dtensor.items())),
         "collective_nodes_aot": aot,  # None: the backend keeps them to itself
+        # Operations of AOT autograd's graphs: a checkpointed block's backward graph
+        # recomputes its forward, so it holds more.
+        "aot_ops": None if aot is None else {
+            kind: sum(len(calls(gm)) for k, gm in graphs.aot if k == kind)
+            for kind in ("forward", "backward")},
     }
 
 
@@ -145,16 +152,25 @@ def model_config(args):
                 seq_len=args.seq_len)
 
 
-def sharded_model(args, ctx, mesh, compile_block=None):
-    """TinyGPT, each block compiled (if asked) and then sharded, then the root sharded."""
+def sharded_model(args, ctx, mesh, compile_block=None, checkpoint=False):
+    """TinyGPT, each block checkpointed and compiled (if asked), then sharded, then the root
+    sharded: torchtitan's order (activation checkpointing, compile, FSDP) on every block."""
     model = runs.new_model(model_config(args), torch.float64, ctx.device, args.seed)
-    for block in model.blocks:
+    for i, block in enumerate(model.blocks):
+        if checkpoint:
+            # Lesson 14's wrapper around torch.utils.checkpoint (non-reentrant).
+            block = model.blocks[i] = CheckpointWrapper(block, impl="torch")
         if compile_block is not None:
             # In place: the block keeps its name, FSDP2's hooks go on the block itself.
             block.compile(backend=compile_block)
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
+
+
+def plain_name(name):
+    """A parameter's name in TinyGPT, without what compile or a checkpoint wrapper added."""
+    return re.sub(r"^(blocks\.\d+)\.module\.", r"\1.", name.replace("_orig_mod.", ""))
 
 
 def train_fsdp(args, ctx, model, batches):
@@ -167,7 +183,7 @@ def train_fsdp(args, ctx, model, batches):
             lm_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad()
-    params = {n.removeprefix("_orig_mod."): p.full_tensor().detach()
+    params = {plain_name(n): p.full_tensor().detach()
               for n, p in model.named_parameters()}
     steps = [{"counts": log.counts(f"step {s}"), "bytes": log.summary(f"step {s}")}
              for s in range(len(batches))]
@@ -211,11 +227,15 @@ def fsdp_part(args, ctx, log):
     def per_block(backend):
         return sharded_model(args, ctx, mesh, compile_block=backend)
 
+    def per_block_checkpointed(backend):
+        return sharded_model(args, ctx, mesh, compile_block=backend, checkpoint=True)
+
     def whole_model(backend, fullgraph=False):
         return torch.compile(sharded_model(args, ctx, mesh), backend=backend, fullgraph=fullgraph)
 
     variants = {
         "per_block": per_block,
+        "per_block_checkpointed": per_block_checkpointed,
         "whole_model": whole_model,
         "whole_model_fullgraph": lambda backend: whole_model(backend, fullgraph=True),
     }

@@ -150,6 +150,8 @@ PYTHON_API = (
 class _OtherThread(TorchDispatchMode):
     """The log's eyes on another thread, for one call (dispatch modes are per thread)."""
 
+    supports_higher_order_operators = True  # see CollectiveLog.log_and_run
+
     def __init__(self, log: CollectiveLog):
         super().__init__()
         self.log = log
@@ -178,6 +180,10 @@ class CollectiveLog(TorchDispatchMode):
     Raises:
         RuntimeError: from :meth:`recording` when no process group is initialised.
     """
+
+    # A compiled graph can call higher-order operators (a checkpointed region saves its
+    # random state with run_and_save_rng_state); without this they would raise.
+    supports_higher_order_operators = True
 
     def __init__(self, mesh=None):
         super().__init__()
@@ -220,6 +226,10 @@ class CollectiveLog(TorchDispatchMode):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented
         kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            # Run as CommDebugMode does, with the mode off: a collective inside a
+            # higher-order operator's body would go unseen (none in this course).
+            return func(*args, **kwargs)
         op = OPS.get((func.namespace, func._schema.name.split("::")[-1]))
         if op is not None:
             named = {a.name: v for a, v in zip(func._schema.arguments, args)}

@@ -40,7 +40,7 @@ def test_the_run_is_what_was_asked(job):
     assert job["config"]["dtype"] == "float64" and job["fsdp"]["steps"] == STEPS
 
 
-@pytest.mark.parametrize("variant", ["per_block", "whole_model"])
+@pytest.mark.parametrize("variant", ["per_block", "per_block_checkpointed", "whole_model"])
 def test_compiled_fsdp2_equals_eager_and_one_process(job, variant):
     fsdp = job["fsdp"]
     assert fsdp["moved"] > 1e-3  # the steps change the weights: equality means something
@@ -50,7 +50,7 @@ def test_compiled_fsdp2_equals_eager_and_one_process(job, variant):
     assert r["gap_vs_eager"] <= TOL and r["gap_vs_one_process"] <= TOL, r
 
 
-@pytest.mark.parametrize("variant", ["per_block", "whole_model"])
+@pytest.mark.parametrize("variant", ["per_block", "per_block_checkpointed", "whole_model"])
 def test_compiled_fsdp2_runs_the_collectives_of_eager(job, variant):
     eager, compiled = job["fsdp"]["eager"]["collectives"], job["fsdp"][variant]["collectives"]
     assert len(compiled) == STEPS
@@ -77,6 +77,14 @@ def test_one_graph_serves_every_block_and_holds_no_fsdp2_collective(job):
     assert graphs["collective_nodes_aot"] == {"forward": {}, "backward": {}}
     assert job["fsdp"]["per_block"]["graph_breaks"] == 0
     assert job["fsdp"]["per_block"]["frames_skipped"] == []
+
+
+def test_a_checkpointed_block_recomputes_its_forward_inside_the_backward_graph(job):
+    plain = job["fsdp"]["per_block"]["graphs"]
+    ckpt = job["fsdp"]["per_block_checkpointed"]["graphs"]
+    assert ckpt["count"] == 1 and ckpt["runs"] == [LAYERS * STEPS]
+    assert ckpt["aot_ops"]["backward"] > plain["aot_ops"]["backward"]
+    assert ckpt["collective_nodes_aot"] == {"forward": {}, "backward": {}}
 
 
 def test_whole_model_compile_falls_back_to_the_blocks(job):
