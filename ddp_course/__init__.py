@@ -25,7 +25,8 @@ module wrapper whose parameters are this rank's shards, as FSDP2 does),
 ``context_parallel`` (placement and masks, blockwise attention, the ring schedule, ring
 attention, Ulysses, and their work and bytes per rank), ``expert_parallel`` (a mixture
 of experts over ranks; ``expert_parallel_dropless``, GShard's padded exchange to compare
-with, and ``expert_data_parallel``, EP x DP groups), ``checkpoint``, ``training`` (train
+with, and ``expert_data_parallel``, EP x DP groups), ``local_sgd`` (local SGD and
+DiLoCo: synchronise every H steps), ``checkpoint``, ``training`` (train
 and exact evaluation loops), ``data`` and ``models``.
 
 Two subpackages hold the rest: ``tools`` measures and diagnoses a job

@@ -1,0 +1,140 @@
+"""Worker: DiLoCo and local SGD from scratch (ddp_course.local_sgd) against DDP and against
+one another, in float64, plus broken variants.
+
+Every rank builds the same MLP and trains on its own batches. Reports, from rank 0: the
+gap of DiLoCo at H=1 (inner SGD, outer SGD lr 1, no momentum) to DDP; the gap between
+ranks after every synchronisation at H=3 with AdamW inside and Nesterov SGD outside, and
+between two synchronisations; the all-reduces per run (one per synchronisation, every
+parameter's bytes); and the same checks with a pseudo-gradient of the wrong sign,
+averaged over a group of one, and a rank that does not load the synchronised copy.
+
+    torchrun --nproc_per_node=2 tests/workers/local_sgd_check.py --results r.json
+"""
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+import worker_checks  # tests/workers/, the script's folder
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddp_course.local_sgd import DiLoCo, local_sgd
+from ddp_course.models import MLP
+from ddp_course.runtime import distributed
+from ddp_course.tools.collective_log import CollectiveLog
+from ddp_course.tools.records import write_results
+
+args = worker_checks.parse_args(steps=6, batch_size=4, lr=0.05)
+
+
+class WrongSign(DiLoCo):
+    """Broken: the pseudo-gradient is the local parameters minus the last sync's."""
+
+    def pseudo_gradients(self):
+        return [-d for d in super().pseudo_gradients()]
+
+
+class NoLoad(DiLoCo):
+    """Broken: rank 1 steps the outer optimizer but keeps training from its own copy."""
+
+    def sync(self):
+        mine = [p.detach().clone() for p in self.params]
+        super().sync()
+        if dist.get_rank() == 1:
+            with torch.no_grad():
+                for p, m in zip(self.params, mine):
+                    p.copy_(m)
+
+
+def model():
+    torch.manual_seed(0)
+    return MLP(8, 16, 2, 4).double()
+
+
+def batch(step, rank):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(args.batch_size, 8, dtype=torch.float64, generator=g), torch.randint(
+        0, 4, (args.batch_size,), generator=g
+    )
+
+
+def loss(m, x, y):
+    return torch.nn.functional.cross_entropy(m(x), y)
+
+
+def gathered(m):
+    flat = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+    every = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, flat)
+    return every
+
+
+def spread(m):
+    """Largest difference between any rank's parameters and rank 0's."""
+    every = gathered(m)
+    return max((e - every[0]).abs().max().item() for e in every)
+
+
+def ddp_run(rank):
+    m = model()
+    ddp = DDP(m)
+    opt = torch.optim.SGD(m.parameters(), lr=args.lr)
+    for step in range(args.steps):
+        loss(ddp, *batch(step, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+    return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+
+
+def diloco_run(rank, cls=DiLoCo, sync_every=1, adam=False, group=None, log=None):
+    m = model()
+    if adam:
+        inner = torch.optim.AdamW(m.parameters(), lr=args.lr)
+        outer = torch.optim.SGD(m.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    else:
+        inner = torch.optim.SGD(m.parameters(), lr=args.lr)
+        outer = torch.optim.SGD(m.parameters(), lr=1.0)
+    after_sync, between = [], []
+    with cls(m, inner, outer, sync_every, group=group) as d:
+        for step in range(args.steps):
+            loss(m, *batch(step, rank)).backward()
+            with log.recording(f"step {step}") if log else contextlib.nullcontext():
+                inner.step()
+            inner.zero_grad()
+            (after_sync if (step + 1) % sync_every == 0 else between).append(spread(m))
+    return torch.cat([p.detach().reshape(-1) for p in m.parameters()]), after_sync, between, d
+
+
+with distributed() as ctx:
+    out = {"world_size": ctx.world_size}
+    reference = ddp_run(ctx.rank)
+    h1, _, _, _ = diloco_run(ctx.rank)
+    out["h1_vs_ddp"] = (h1 - reference).abs().max().item()
+    log = CollectiveLog()
+    _, after, between, d = diloco_run(ctx.rank, sync_every=3, adam=True, log=log)
+    out["h3"] = {
+        "after_sync": after,
+        "between": between,
+        "syncs": d.syncs,
+        "all_reduces": log.summary().get("all_reduce", []),
+        "param_bytes": sum(p.numel() * 8 for p in model().parameters()),
+    }
+    avg, _, _, _ = diloco_run(ctx.rank, cls=DiLoCo, sync_every=2)
+    m = model()
+    inner = torch.optim.SGD(m.parameters(), lr=args.lr)
+    with local_sgd(m, inner, 2):
+        for step in range(args.steps):
+            loss(m, *batch(step, ctx.rank)).backward()
+            inner.step()
+            inner.zero_grad()
+    out["local_sgd_vs_diloco_lr1"] = (
+        (torch.cat([p.detach().reshape(-1) for p in m.parameters()]) - avg).abs().max().item()
+    )
+    wrong, _, _, _ = diloco_run(ctx.rank, cls=WrongSign)
+    out["wrong_sign_vs_ddp"] = (wrong - reference).abs().max().item()
+    groups = [dist.new_group([r]) for r in range(ctx.world_size)]  # every rank creates each
+    _, after_alone, _, _ = diloco_run(ctx.rank, sync_every=3, adam=True, group=groups[ctx.rank])
+    out["group_of_one_after_sync"] = after_alone
+    _, after_noload, _, _ = diloco_run(ctx.rank, cls=NoLoad, sync_every=3, adam=True)
+    out["no_load_after_sync"] = after_noload
+    write_results(ctx, args.results, out)
