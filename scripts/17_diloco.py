@@ -19,11 +19,17 @@ all-reduced every step), and DiLoCo (ddp_course.local_sgd) for each
 momentum 0.9 (Douillard et al. 2023). Each rank records its training loss per
 step; every --eval-every steps (a multiple of every H, so DiLoCo's ranks agree
 then) the validation loss on fixed held-out batches, and how far the ranks'
-parameters are apart. The course's collective log counts every all-reduce.
+parameters are apart. The course's collective log counts every all-reduce, and
+each step is timed (forward, backward, the inner step and any communication it
+waits for; the slowest rank's time). Over a slow link (notebook 17 runs the
+ranks as two nodes joined by a rate-limited veth) the time per step is where
+DiLoCo pays off.
 Rank 0 writes --results.
 """
 
 import contextlib
+import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -97,22 +103,28 @@ def train(args, ctx, method, held_out):
     tokens = shakespeare_bytes("train")
     gen = torch.Generator().manual_seed(args.seed + 1 + ctx.rank)
     log = CollectiveLog()
-    losses, evals = [], []
+    losses, evals, seconds = [], [], []
     with sync or contextlib.nullcontext():
         for step in range(1, args.steps + 1):
             x, y = (t.to(ctx.device) for t in lm_batch(tokens, args.batch_size,
                                                           args.seq_len, gen))
+            start = time.perf_counter()
             with log.recording("train"):
                 loss = lm_loss(step_model(x), y)
                 loss.backward()
                 inner.step()
             inner.zero_grad()
-            losses.append(loss.item())
+            losses.append(loss.item())  # waits for the device: the step is done
+            seconds.append(time.perf_counter() - start)
             if step % args.eval_every == 0:
                 evals.append({"step": step, "val_loss": validation_loss(model, held_out),
                               "rank_spread": rank_spread(model, ctx)})
     calls = [c for c in log.calls if c["op"] == "all_reduce"]
-    return {"losses": losses, "evals": evals, "all_reduces": len(calls),
+    slowest = torch.tensor(seconds, dtype=torch.float64, device=ctx.device)
+    if ctx.world_size > 1:
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
+    return {"losses": losses, "evals": evals, "step_s": slowest.tolist(),
+            "median_step_s": statistics.median(slowest.tolist()), "all_reduces": len(calls),
             "bytes": sum(c["bytes"] for c in calls),
             "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
 

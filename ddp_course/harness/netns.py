@@ -22,7 +22,14 @@ import shutil
 import subprocess
 from collections.abc import Iterator
 
-__all__ = ["Host", "interface_bytes", "list_namespaces", "unavailable", "veth_hosts"]
+__all__ = [
+    "Host",
+    "interface_bytes",
+    "limit_rate",
+    "list_namespaces",
+    "unavailable",
+    "veth_hosts",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,3 +130,36 @@ def interface_bytes(host: Host) -> dict[str, int]:
     out = _ip("-n", host.netns, "-s", "-j", "link", "show", "dev", host.ifname).stdout
     stats = json.loads(out)[0]["stats64"]
     return {"tx": int(stats["tx"]["bytes"]), "rx": int(stats["rx"]["bytes"])}
+
+
+def limit_rate(host: Host, mbit: float, burst_kb: int = 64, latency_ms: int = 100) -> None:
+    """Let ``host``'s veth send at most ``mbit`` megabits per second (a slow link).
+
+    A token-bucket filter on the interface's way out (``tc qdisc replace ... tbf``,
+    ``man tc-tbf``): bursts of up to ``burst_kb`` kilobytes go at once, the rest at
+    the rate, and a packet that would wait more than ``latency_ms`` in the queue is
+    dropped (TCP sends it again). Limit both hosts for a link slow both ways; the
+    limit goes with the namespace. Adding delay needs ``netem`` (``man tc-netem``),
+    a kernel module some machines lack; a rate limit alone already makes the bytes
+    of each all-reduce cost time.
+
+    Args:
+        host: one end of :func:`veth_hosts`.
+        mbit: the rate, megabits per second, > 0.
+        burst_kb: the bucket's size in kilobytes.
+        latency_ms: the longest a packet may queue, in milliseconds.
+
+    Raises:
+        ValueError: ``mbit`` is not positive.
+        RuntimeError: ``tc`` is missing or refused (its message).
+    """
+    if mbit <= 0:
+        raise ValueError(f"the rate must be positive, not {mbit} Mbit/s")
+    if shutil.which("tc") is None:
+        raise RuntimeError("tc (iproute2) is not installed: apt-get install iproute2")
+    cmd = ["ip", "netns", "exec", host.netns, "tc", "qdisc", "replace", "dev", host.ifname]
+    cmd += ["root", "tbf", "rate", f"{mbit}mbit", "burst", f"{burst_kb}kb"]
+    cmd += ["latency", f"{latency_ms}ms"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()}")

@@ -32,3 +32,4 @@ def test_h_times_fewer_all_reduces_and_bytes(job):
         m = methods[f"diloco H={h}"]
         assert m["all_reduces"] == 20 // h and m["bytes"] == 20 // h * one
         assert all(e["rank_spread"] == 0.0 for e in m["evals"])
+    assert all(len(m["step_s"]) == 20 and min(m["step_s"]) > 0 for m in methods.values())
