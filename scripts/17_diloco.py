@@ -11,6 +11,11 @@ against DDP with the same SGD, step by step; then DiLoCo with H = 2, inner
 AdamW and outer Nesterov SGD: how far apart the ranks' parameters are after
 each inner step (zero after every synchronisation, not between).
 
+Part "labs", DiLoCo at the first --sync-every H: as it should run, with the last
+rank training on from its own parameters after each synchronisation (it forgot
+to load the synchronised ones), and with an outer learning rate of
+--lab-outer-lr.
+
 Part "train": every rank builds the same TinyGPT (same seed) and draws its own batches of the
 Shakespeare bytes (seeded by rank). For each method it trains --steps inner
 steps with AdamW, so every method sees the same tokens: DDP (gradients
@@ -55,8 +60,10 @@ def parse_args():
     p.add_argument("--eval-every", type=int, default=50,
                    help="steps between validation losses; a multiple of every H")
     p.add_argument("--eval-batches", type=int, default=4, help="held-out batches per evaluation")
-    p.add_argument("--part", nargs="+", choices=("check", "train"), default=["check", "train"],
-                   help="what to run")
+    p.add_argument("--part", nargs="+", choices=("check", "train", "labs"),
+                   default=["check", "train"], help="what to run")
+    p.add_argument("--lab-outer-lr", type=float, default=3.0,
+                   help="the labs' outer learning rate that is too large")
     args = p.parse_args()
     if any(args.eval_every % h for h in args.sync_every) or args.steps % args.eval_every:
         p.error("--eval-every must be a multiple of every --sync-every, and divide --steps")
@@ -89,17 +96,35 @@ def rank_spread(model, ctx):
     return gap.item()
 
 
-def train(args, ctx, method, held_out):
-    """One method's run: losses per step, validation losses, rank spread, collectives."""
+class ForgetsToLoad(DiLoCo):
+    """The lab's bug: after a synchronisation the last rank trains on from its own
+    parameters instead of the synchronised ones (it stepped the outer optimizer, then
+    put its local copy back)."""
+
+    def sync(self):
+        mine = [p.detach().clone() for p in self.params]
+        super().sync()
+        if dist.get_rank() == dist.get_world_size() - 1:
+            with torch.no_grad():
+                for p, m in zip(self.params, mine):
+                    p.copy_(m)
+
+
+def train(args, ctx, method, held_out, outer_lr=None, diloco=DiLoCo):
+    """One method's run: losses per step, validation losses, rank spread, collectives.
+
+    ``method`` is ``"ddp"`` or ``"diloco H=<h>"``; ``outer_lr`` (default --outer-lr)
+    and ``diloco`` (the class) change DiLoCo's run for the labs.
+    """
     model = build(args, ctx.device)
     inner = torch.optim.AdamW(model.parameters(), lr=args.lr)
     if method == "ddp":
         step_model, sync = DDP(model) if ctx.world_size > 1 else model, None
     else:
         step_model = model
-        outer = torch.optim.SGD(model.parameters(), lr=args.outer_lr, momentum=0.9,
+        outer = torch.optim.SGD(model.parameters(), lr=outer_lr or args.outer_lr, momentum=0.9,
                                 nesterov=True)
-        sync = DiLoCo(model, inner, outer, sync_every=int(method.split("=")[1]))
+        sync = diloco(model, inner, outer, sync_every=int(method.split("=")[1]))
     tokens = shakespeare_bytes("train")
     gen = torch.Generator().manual_seed(args.seed + 1 + ctx.rank)
     log = CollectiveLog()
@@ -189,6 +214,19 @@ def main():
             r = results["methods"][method] = train(args, ctx, method, held_out)
             log.info("%-14s validation loss %.3f, %d all-reduces, %.1f MB sent", method,
                      r["evals"][-1]["val_loss"], r["all_reduces"], r["bytes"] / 1e6)
+        if "labs" in args.part:
+            h = f"diloco H={args.sync_every[0]}"
+            results["labs"] = {
+                "every rank loads": train(args, ctx, h, held_out),
+                "the last rank keeps its own": train(args, ctx, h, held_out,
+                                                     diloco=ForgetsToLoad),
+                f"outer lr {args.lab_outer_lr}": train(args, ctx, h, held_out,
+                                                       outer_lr=args.lab_outer_lr),
+            }
+            for name, r in results["labs"].items():
+                log.info("lab, %-28s validation loss %.3f, ranks apart after syncs %s", name,
+                         r["evals"][-1]["val_loss"],
+                         ", ".join(f"{e['rank_spread']:.1e}" for e in r["evals"]))
         write_results(ctx, args.results, results, args=vars(args))
 
 

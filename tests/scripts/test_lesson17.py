@@ -14,6 +14,7 @@ SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts/17_diloco.py"
 @pytest.fixture(scope="module")
 def job():
     args = ["--steps", "20", "--sync-every", "5", "10", "--eval-every", "10"]
+    args += ["--part", "check", "train", "labs"]
     args += ["--d-model", "16", "--n-heads", "2", "--n-layers", "1", "--seq-len", "16"]
     return launch.torchrun(SCRIPT, args, nproc=2, results=True, echo=False).results
 
@@ -33,3 +34,9 @@ def test_h_times_fewer_all_reduces_and_bytes(job):
         assert m["all_reduces"] == 20 // h and m["bytes"] == 20 // h * one
         assert all(e["rank_spread"] == 0.0 for e in m["evals"])
     assert all(len(m["step_s"]) == 20 and min(m["step_s"]) > 0 for m in methods.values())
+
+
+def test_a_rank_that_keeps_its_own_parameters_is_apart_after_every_sync(job):
+    labs = job["labs"]
+    assert all(e["rank_spread"] == 0.0 for e in labs["every rank loads"]["evals"])
+    assert all(e["rank_spread"] > 1e-4 for e in labs["the last rank keeps its own"]["evals"])
