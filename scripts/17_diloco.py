@@ -11,13 +11,8 @@ against DDP with the same SGD, step by step; then DiLoCo with H = 2, inner
 AdamW and outer Nesterov SGD: how far apart the ranks' parameters are after
 each inner step (zero after every synchronisation, not between).
 
-Part "labs", DiLoCo at the first --sync-every H: as it should run, with the last
-rank training on from its own parameters after each synchronisation (it forgot
-to load the synchronised ones), and with an outer learning rate of
---lab-outer-lr.
-
-Part "train": every rank builds the same TinyGPT (same seed) and draws its own batches of the
-Shakespeare bytes (seeded by rank). For each method it trains --steps inner
+Part "train": every rank builds the same TinyGPT (same seed) and draws its own
+batches of the Shakespeare bytes (seeded by rank). For each method it trains --steps inner
 steps with AdamW, so every method sees the same tokens: DDP (gradients
 all-reduced every step), and DiLoCo (ddp_course.local_sgd) for each
 --sync-every H, with an outer SGD of learning rate --outer-lr, Nesterov
@@ -29,6 +24,12 @@ each step is timed (forward, backward, the inner step and any communication it
 waits for; the slowest rank's time). Over a slow link (notebook 17 runs the
 ranks as two nodes joined by a rate-limited veth) the time per step is where
 DiLoCo pays off.
+
+Part "labs", DiLoCo at the first --sync-every H: as it should run, with the last
+rank training on from its own parameters after each synchronisation (it forgot
+to load the synchronised ones), and with an outer learning rate of
+--lab-outer-lr.
+
 Rank 0 writes --results.
 """
 
