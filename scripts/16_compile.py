@@ -51,6 +51,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_course.data import lm_batch, shakespeare_bytes
 from ddp_course.harness.script_args import script_parser
+from ddp_course.mesh_runs import gather_lists
 from ddp_course.models import MLP, TinyGPT, lm_loss
 from ddp_course.runtime import distributed, get_logger
 from ddp_course.tools.bench.timing import summarize, time_interleaved
@@ -193,7 +194,7 @@ def ddp_variant(name, args, ctx):
         "graph_parameter_bytes": counter.parameter_bytes(),
         "graph_collectives": counter.collectives(),
         "graph_breaks": sum(dynamo.utils.counters["graph_break"].values()),
-        "collectives": {op: sizes for op, sizes in log.summary(last).items()},
+        "collectives": log.summary(last),
         "collective_paths": sorted({c["path"] for c in log.calls if c["phase"] == last}),
         "first_step_collectives": log.summary("step 0"),
         "second_step_collectives": log.summary("step 1"),
@@ -265,12 +266,7 @@ def part_recompile(args, ctx, log):
     out = {"odd_step": odd_step, "odd_rank": ctx.world_size - 1}
     for what in ("shape", "python value"):
         for fixed in (False, True):
-            mine = recompile_run(args, ctx, what, fixed, odd_step)
-            every = [None] * ctx.world_size
-            if ctx.is_distributed:
-                dist.all_gather_object(every, mine)
-            else:
-                every = [mine]
+            every = gather_lists(ctx, recompile_run(args, ctx, what, fixed, odd_step))
             key = f"{what}, {'fixed' if fixed else 'as written'}"
             out[key] = every
             log.info("%-26s graphs per rank %s", key, [r["graphs"] for r in every])

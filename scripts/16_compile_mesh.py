@@ -59,7 +59,6 @@ from ddp_course.tools.records import write_results
 # FSDP2 warns that the root returns a view (we never change the logits in place).
 warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
 
-COLLECTIVE_WORDS = ("c10d", "all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 DTENSOR_CALLS = ("from_local", "redistribute", "to_local", "full_tensor")
 # Where a graph break sends Dynamo when it gives up on a frame, as its message says.
 SKIPPED = re.compile(r"frame skipped: (\w+) \((.*) line (\d+)\)")
@@ -92,21 +91,16 @@ def calls(gm):
 
 def graph_report(graphs):
     """What a GraphCounter saw: Dynamo's graphs, their runs, and the collectives in each kind."""
-    def collective_nodes(modules):
-        names = Counter(name for gm in modules for name in calls(gm))
-        return {k: v for k, v in sorted(names.items()) if any(w in k for w in COLLECTIVE_WORDS)}
-
     aot = None
     if graphs.inner == "aot_eager":  # Inductor keeps its forward and backward graphs inside
-        aot = {kind: collective_nodes([gm for k, gm in graphs.aot if k == kind])
-               for kind in ("forward", "backward")}
+        aot = graphs.aot_collectives()
     dtensor = Counter(name for gm in graphs.graphs for name in calls(gm) if name in DTENSOR_CALLS)
     return {
         "count": len(graphs.graphs),
         "runs": graphs.runs,  # forward calls of each graph
         # What each graph computes: an FSDP2 block's has no all-gather in it.
         "ops": [calls(gm) for gm in graphs.graphs],
-        "collective_nodes_dynamo": collective_nodes(graphs.graphs),
+        "collective_nodes_dynamo": dict(Counter(sum(graphs.collectives(), []))),
         # DTensor's own calls: where AOT autograd puts the collectives.
         "dtensor_nodes_dynamo": dict(sorted(dtensor.items())),
         "collective_nodes_aot": aot,  # None: the backend keeps them to itself

@@ -40,6 +40,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.nn.utils import parameters_to_vector
 
 from ddp_course.data import lm_batch, shakespeare_bytes
 from ddp_course.harness.script_args import script_parser
@@ -47,6 +48,7 @@ from ddp_course.local_sgd import DiLoCo
 from ddp_course.models import TinyGPT, lm_loss
 from ddp_course.runtime import distributed, get_logger
 from ddp_course.tools.collective_log import CollectiveLog
+from ddp_course.tools.debug import rank_spread
 from ddp_course.tools.records import write_results
 
 
@@ -83,18 +85,6 @@ def validation_loss(model, batches):
     loss = sum(lm_loss(model(x), y).item() for x, y in batches) / len(batches)
     model.train()
     return loss
-
-
-def rank_spread(model, ctx):
-    """Largest difference between any rank's parameters and rank 0's."""
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    first = flat.clone()
-    if ctx.world_size > 1:
-        dist.broadcast(first, src=0)
-    gap = (flat - first).abs().max().reshape(1)
-    if ctx.world_size > 1:
-        dist.all_reduce(gap, op=dist.ReduceOp.MAX)
-    return gap.item()
 
 
 class ForgetsToLoad(DiLoCo):
@@ -144,7 +134,7 @@ def train(args, ctx, method, held_out, outer_lr=None, diloco=DiLoCo):
             seconds.append(time.perf_counter() - start)
             if step % args.eval_every == 0:
                 evals.append({"step": step, "val_loss": validation_loss(model, held_out),
-                              "rank_spread": rank_spread(model, ctx)})
+                              "rank_spread": rank_spread(parameters_to_vector(model.parameters()))})
     calls = [c for c in log.calls if c["op"] == "all_reduce"]
     slowest = torch.tensor(seconds, dtype=torch.float64, device=ctx.device)
     if ctx.world_size > 1:
@@ -193,7 +183,7 @@ def check(args, ctx, steps=4):
             inner.step()
             inner.zero_grad()
             spread.append({"inner_step": d.inner_steps, "synced": d.inner_steps % 2 == 0,
-                           "rank_spread": rank_spread(model, ctx)})
+                           "rank_spread": rank_spread(parameters_to_vector(model.parameters()))})
     return {"h1_vs_ddp_per_step": gaps, "h2_spread": spread}
 
 

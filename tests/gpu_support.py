@@ -1,6 +1,6 @@
 """What every file under ``tests/gpu/`` shares: the GPU count, skip marks that say why,
-the results keeper that ``python -m ddp_course gpu-check`` reads, and a torchrun runner
-that follows the launcher's device plan.
+the results keeper that ``python -m ddp_course gpu-check`` reads, and runners (torchrun,
+and one plain process) that follow the launcher's device plan.
 
 Importable from any test (``pyproject.toml`` puts ``tests/`` on ``sys.path``); it holds
 no test itself, so pytest collects nothing from it.
@@ -42,6 +42,19 @@ def keep(name: str, results: dict) -> None:
         path = pathlib.Path(folder, f"{name}.json")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(results, indent=2) + "\n")
+
+
+def run_plain(root: pathlib.Path, script: str, args=()) -> dict:
+    """``python scripts/<script>`` as one plain process on this machine's first GPU (the
+    launcher's device plan); its JSON results.
+
+    Raises:
+        ddp_course.harness.launch.LaunchError: the script failed (its traceback in the message).
+    """
+    job = launch.python(
+        root / "scripts" / script, list(args), results=True, echo=False, timeout_s=300
+    )
+    return job.results
 
 
 def run(root: pathlib.Path, script: str, args=(), nproc: int = RANKS, **kwargs) -> dict:

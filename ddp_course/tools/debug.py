@@ -40,6 +40,7 @@ __all__ = [
     "ptrace_scope",
     "py_spy_dumps",
     "rank_processes",
+    "rank_spread",
     "read_flight_recorder",
     "repeated_orders",
     "tensor_digests",
@@ -105,6 +106,25 @@ def models_differ(model: nn.Module, group: Any = None) -> dict[str, list[int]]:
         if ranks:
             differ[name] = ranks
     return differ
+
+
+def rank_spread(tensor: torch.Tensor, group: Any = None) -> float:
+    """Largest absolute difference between any rank's ``tensor`` and rank 0's.
+
+    The numeric companion of :func:`models_differ`: how far apart replicas that
+    should agree are (0.0 when every rank holds the same values). A collective
+    (rank 0's tensor broadcast, the largest difference all-reduced with MAX):
+    every rank calls it with a tensor of one shape and dtype, on the device its
+    backend serves, and gets the same answer. Without a process group, 0.0.
+    For a model, pass its parameters flattened into one tensor.
+    """
+    if not dist.is_initialized():
+        return 0.0
+    first = tensor.detach().clone()
+    dist.broadcast(first, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+    gap = (tensor.detach() - first).abs().max().reshape(1).double()
+    dist.all_reduce(gap, op=dist.ReduceOp.MAX, group=group)
+    return gap.item()
 
 
 def rank_processes(marker: str) -> dict[int, psutil.Process]:

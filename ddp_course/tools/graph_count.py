@@ -101,12 +101,6 @@ class GraphCounter:
                 out[kind][name] = out[kind].get(name, 0) + 1
         return out
 
-    def ops(self) -> list[int]:
-        """Per graph, the operations it calls (``call_function``, ``call_method``,
-        ``call_module`` nodes)."""
-        kinds = ("call_function", "call_method", "call_module")
-        return [sum(n.op in kinds for n in g.graph.nodes) for g in self.graphs]
-
     def collectives(self) -> list[list[str]]:
         """Per graph, the names of the collective operators it calls
         (``_c10d_functional.all_reduce.default`` ...): communication traced into
@@ -143,7 +137,7 @@ class _Collect(logging.Handler):
         self.into = into
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.into.append(record.getMessage())
+        self.into.append(_without_folders(record.getMessage()))
 
 
 @contextlib.contextmanager
@@ -173,7 +167,6 @@ def recompile_reasons() -> Iterator[list[str]]:
         torch._logging.set_logs()
         for name, level in levels.items():
             logging.getLogger(name).setLevel(level)
-        messages[:] = [_without_folders(m) for m in messages]
 
 
 def _without_folders(text: str) -> str:

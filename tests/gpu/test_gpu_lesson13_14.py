@@ -7,10 +7,9 @@ predicted activations, and its peak within the bound the lesson predicts); with
 """
 
 import pytest
-from gpu_support import keep, needs_4_gpus, needs_gpu, run
+from gpu_support import keep, needs_4_gpus, needs_gpu, run, run_plain
 
 from ddp_course import step_budget
-from ddp_course.harness import launch
 from ddp_course.tools import flops
 
 pytestmark = pytest.mark.serial
@@ -18,15 +17,9 @@ pytestmark = pytest.mark.serial
 TINY = ["--d-model", "16", "--seq-len", "16"]
 
 
-def _python(root, script, args):
-    return launch.python(
-        root / "scripts" / script, args, results=True, echo=False, timeout_s=300
-    ).results
-
-
 @needs_gpu
 def test_gpt_plain_run_matches_ddp_on_a_gpu(root):
-    r = _python(root, "13_gpt.py", ["--steps", "3", "--check", "--sample", "8", *TINY])
+    r = run_plain(root, "13_gpt.py", ["--steps", "3", "--check", "--sample", "8", *TINY])
     keep("13_gpt_check", r)
     assert r["meta"]["device"].startswith("cuda") and r["meta"]["backend"] == "nccl"
     assert r["gpu"] and r["master_dtypes"] == ["torch.float32"]
@@ -55,7 +48,7 @@ def test_gpt_bfloat16_records_tokens_per_s_and_mfu(root):
         "--batch-size",
         "16",
     ]
-    r = _python(root, "13_gpt.py", args)
+    r = run_plain(root, "13_gpt.py", args)
     keep(
         "13_gpt_bf16",
         {
@@ -93,7 +86,7 @@ def test_memory_cuda_peak_within_the_predicted_bound(root):
     # and the recomputed region on top of every activation, which never coexist (23% to
     # 78% above the peak's lower end here); the peak is checked against the bound
     # [low, high] instead.
-    r = _python(root, "14_memory.py", ["--steps", "1"])  # the script raises outside the bound
+    r = run_plain(root, "14_memory.py", ["--steps", "1"])  # the script raises outside the bound
     rows = {row["policy"]: row for row in r["rows"]}
     keep("14_memory_cuda_peak", {"meta": r["meta"], "rows": r["rows"]})
     assert r["device"].startswith("cuda")

@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from gpu_support import RANKS, keep, needs_2_gpus, needs_4_gpus, needs_gpu, run
+from gpu_support import RANKS, keep, needs_2_gpus, needs_4_gpus, needs_gpu, run, run_plain
 
 from ddp_course import context_parallel as cp
 from ddp_course.harness import launch
@@ -101,9 +101,7 @@ def check_moe(r: dict, world_size: int) -> None:
 
 @needs_gpu
 def test_context_parallel_as_plain_python_on_a_gpu(root):
-    r = launch.python(
-        root / "scripts/15_context_parallel.py", CP_ARGS, results=True, echo=False, timeout_s=300
-    ).results
+    r = run_plain(root, "15_context_parallel.py", CP_ARGS)
     keep("15_context_parallel_plain", r)
     check_context_parallel(r, 1)
 
@@ -112,13 +110,7 @@ def test_context_parallel_as_plain_python_on_a_gpu(root):
 def test_moe_as_plain_python_on_a_gpu(root):
     # A CPU tensor all-reduced on nccl was refused here ("No backend type associated with
     # device type cpu") before the script built it on ctx.device.
-    r = launch.python(
-        root / "scripts/15_moe.py",
-        ["--tokens", "8", "--steps", "3"],
-        results=True,
-        echo=False,
-        timeout_s=300,
-    ).results
+    r = run_plain(root, "15_moe.py", ["--tokens", "8", "--steps", "3"])
     keep("15_moe_plain", r)
     check_moe(r, 1)
 

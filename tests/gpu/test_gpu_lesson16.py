@@ -9,20 +9,12 @@ takes tens of seconds.
 """
 
 import pytest
-from gpu_support import keep, needs_2_gpus, needs_gpu, run
-
-from ddp_course.harness import launch
+from gpu_support import keep, needs_2_gpus, needs_gpu, run, run_plain
 
 pytestmark = pytest.mark.serial
 
 TOL = 1e-12  # float64: aot_eager runs eager's kernels
 LAYER = 256 * 256 * 8 + 256 * 8  # one Linear(256, 256) in float64, bytes
-
-
-def plain(root, script: str, *args: str) -> dict:
-    """``python scripts/<script> *args`` on this machine's first GPU; its JSON results."""
-    job = launch.python(root / "scripts" / script, args, results=True, echo=False, timeout_s=300)
-    return job.results
 
 
 def check_ddp(r: dict) -> None:
@@ -46,21 +38,21 @@ def check_speed(r: dict) -> None:
 
 @needs_gpu
 def test_compile_with_ddp_as_plain_python_on_a_gpu(root):
-    r = plain(root, "16_compile.py", "--part", "ddp", "recompile", "--steps", "6")
+    r = run_plain(root, "16_compile.py", ["--part", "ddp", "recompile", "--steps", "6"])
     keep("16_compile_ddp_plain", r)
     check_ddp(r)
 
 
 @needs_gpu
 def test_eager_against_compiled_step_time_on_a_gpu(root):
-    r = plain(root, "16_compile.py", "--part", "speed", "--steps", "30")
+    r = run_plain(root, "16_compile.py", ["--part", "speed", "--steps", "30"])
     keep("16_compile_speed_plain", r)
     check_speed(r)
 
 
 @needs_gpu
 def test_fsdp2_and_tensor_parallel_compiled_as_plain_python_on_a_gpu(root):
-    r = plain(root, "16_compile_mesh.py")
+    r = run_plain(root, "16_compile_mesh.py")
     keep("16_compile_mesh_plain", r)
     assert r["device"].startswith("cuda")
     for variant in ("per_block", "whole_model"):

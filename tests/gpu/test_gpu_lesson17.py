@@ -7,9 +7,7 @@ ddp_course gpu-check`` runs this file and keeps the results.
 """
 
 import pytest
-from gpu_support import keep, needs_2_gpus, needs_gpu, run
-
-from ddp_course.harness import launch
+from gpu_support import keep, needs_2_gpus, needs_gpu, run, run_plain
 
 pytestmark = pytest.mark.serial
 
@@ -31,9 +29,7 @@ def check(r: dict) -> None:
 
 @needs_gpu
 def test_diloco_as_plain_python_on_a_gpu(root):
-    r = launch.python(
-        root / "scripts/17_diloco.py", ARGS, results=True, echo=False, timeout_s=300
-    ).results
+    r = run_plain(root, "17_diloco.py", ARGS)
     keep("17_diloco_plain", r)
     check(r)
 

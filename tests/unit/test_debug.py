@@ -207,3 +207,7 @@ def test_flight_recorder_is_on_by_default_and_keeps_2000_collectives(tmp_path):
     subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, check=True, timeout=120)
     seqs = [e["seq"] for e in debug.read_flight_recorder(tmp_path)[0]]
     assert len(seqs) == 2000 and seqs[-1] == 2010  # the newest 2000 of 2010
+
+
+def test_rank_spread_without_a_process_group_is_zero():
+    assert debug.rank_spread(torch.ones(3)) == 0.0

@@ -20,7 +20,6 @@ def test_counts_graphs_runs_and_the_recompile_that_made_the_second():
         for rows in (4, 4, 3, 3, 2):  # the third shape reuses the dynamic second graph
             compiled(torch.randn(rows, 16, dtype=torch.float64)).sum().backward()
     assert len(counter.graphs) == 2 and counter.runs == [2, 3]
-    assert counter.ops() == [4, 4]  # flatten, linear, relu, linear
     assert counter.parameter_bytes() == [2 * (16 * 16 + 16) * 8] * 2
     assert [kind for kind, _ in counter.aot] == ["forward", "backward"] * 2
     assert len(reasons) == 1 and "size mismatch at index 0. expected 4, actual 3" in reasons[0]

@@ -17,11 +17,13 @@ import torch
 import torch.distributed as dist
 import worker_checks  # tests/workers/, the script's folder
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.nn.utils import parameters_to_vector
 
 from ddp_course.local_sgd import DiLoCo, local_sgd
 from ddp_course.models import MLP
 from ddp_course.runtime import distributed
 from ddp_course.tools.collective_log import CollectiveLog
+from ddp_course.tools.debug import rank_spread
 from ddp_course.tools.records import write_results
 
 args = worker_checks.parse_args(steps=6, batch_size=4, lr=0.05)
@@ -62,17 +64,9 @@ def loss(m, x, y):
     return torch.nn.functional.cross_entropy(m(x), y)
 
 
-def gathered(m):
-    flat = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
-    every = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, flat)
-    return every
-
-
 def spread(m):
     """Largest difference between any rank's parameters and rank 0's."""
-    every = gathered(m)
-    return max((e - every[0]).abs().max().item() for e in every)
+    return rank_spread(parameters_to_vector(m.parameters()))
 
 
 def ddp_run(rank):
@@ -83,7 +77,7 @@ def ddp_run(rank):
         loss(ddp, *batch(step, rank)).backward()
         opt.step()
         opt.zero_grad()
-    return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+    return parameters_to_vector(m.parameters()).detach()
 
 
 def diloco_run(rank, cls=DiLoCo, sync_every=1, adam=False, group=None, log=None):
@@ -102,7 +96,7 @@ def diloco_run(rank, cls=DiLoCo, sync_every=1, adam=False, group=None, log=None)
                 inner.step()
             inner.zero_grad()
             (after_sync if (step + 1) % sync_every == 0 else between).append(spread(m))
-    return torch.cat([p.detach().reshape(-1) for p in m.parameters()]), after_sync, between, d
+    return parameters_to_vector(m.parameters()).detach(), after_sync, between, d
 
 
 with distributed() as ctx:
@@ -128,7 +122,7 @@ with distributed() as ctx:
             inner.step()
             inner.zero_grad()
     out["local_sgd_vs_diloco_lr1"] = (
-        (torch.cat([p.detach().reshape(-1) for p in m.parameters()]) - avg).abs().max().item()
+        (parameters_to_vector(m.parameters()).detach() - avg).abs().max().item()
     )
     wrong, _, _, _ = diloco_run(ctx.rank, cls=WrongSign)
     out["wrong_sign_vs_ddp"] = (wrong - reference).abs().max().item()

@@ -59,6 +59,7 @@ import torch
 import torch.distributed as dist
 import torchft.manager
 import worker_checks  # tests/workers/, the script's folder
+from torch.nn.utils import parameters_to_vector
 from torchft import Manager, ProcessGroupGloo
 from torchft.checkpointing.pg_transport import PGTransport
 from torchft.coordination import LighthouseServer
@@ -68,6 +69,7 @@ from ddp_course.harness import loopback
 from ddp_course.local_sgd import DiLoCo
 from ddp_course.models import MLP
 from ddp_course.runtime import distributed
+from ddp_course.tools.debug import rank_spread
 from ddp_course.tools.records import write_results
 
 args = worker_checks.parse_args(steps=6, sync_every=3, batch_size=4, lr=0.05)
@@ -106,7 +108,7 @@ def batch(step, rank):
 
 
 def flat(m):
-    return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+    return parameters_to_vector(m.parameters()).detach()
 
 
 def train(m, inner, rank):
@@ -194,12 +196,7 @@ def torchft_run(rank, lighthouse_addr):
 def spread(tensors):
     """Largest difference between any rank's tensor and rank 0's, per tensor of the
     list (every rank passes its own list)."""
-    out = []
-    for t in tensors:
-        every = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-        dist.all_gather(every, t)
-        out.append(max((e - every[0]).abs().max().item() for e in every))
-    return out
+    return [rank_spread(t) for t in tensors]
 
 
 with distributed(device="cpu") as ctx:  # a gloo comparison in float64, whatever the GPUs
