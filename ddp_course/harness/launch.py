@@ -124,6 +124,7 @@ def _run_job(
     results_path: pathlib.Path | None,
     shown: str,
     served: bool = False,
+    announce: bool = True,
 ) -> LaunchResult:
     """Start ``cmd`` in a session of its own, stream it, wait, and judge it.
 
@@ -131,8 +132,11 @@ def _run_job(
     cell that echoes nothing still says what it is waiting for. ``served``: ``cmd``
     (``python -m ddp_course.harness.loopback ARGS`` or ``python SCRIPT ARGS``) is forked
     from the agent server when the job's environment allows (:func:`_start`).
+    ``announce=False`` prints neither the command nor the closing line nor heartbeats
+    (a caller that runs several jobs at once says what runs itself).
     """
-    print(f"$ {shown}", flush=True)
+    if announce:
+        print(f"$ {shown}", flush=True)
     start = time.perf_counter()
     proc, reader, lines = _start(cmd, env, echo, served)
 
@@ -140,7 +144,8 @@ def _run_job(
         return read_rank_logs(logs_path) if logs_path else {0: "".join(lines)}
 
     try:
-        returncode = wait_job(proc, script.name, start, timeout_s, heartbeat=not echo)
+        heartbeat = announce and not echo
+        returncode = wait_job(proc, script.name, start, timeout_s, heartbeat=heartbeat)
     except subprocess.TimeoutExpired:
         dump_python_stacks(proc, script)
         kill_job(proc)
@@ -181,7 +186,8 @@ def _run_job(
                 f"{script.name} exited cleanly but wrote no --results file", None, 0, logs
             )
         data = json.loads(results_path.read_text())
-    print(f"{script.name} finished in {wall_s:.1f} s", flush=True)
+    if announce:
+        print(f"{script.name} finished in {wall_s:.1f} s", flush=True)
     return LaunchResult(returncode, output, logs, data, wall_s, getattr(proc, "cpu_s", None))
 
 
@@ -197,6 +203,7 @@ def torchrun(
     extra_torchrun_args: Sequence[str] = (),
     gpus: int | None = None,
     fork_ranks: bool | None = None,
+    announce: bool = True,
 ) -> LaunchResult:
     """Run ``torchrun --nproc_per_node=nproc script *args`` and wait for it.
 
@@ -244,6 +251,8 @@ def torchrun(
             single-node CPU job unless ``DDP_COURSE_FORK_RANKS=0``). Pass
             ``False`` when a tool inspects the ranks from outside by their
             environment (:func:`ddp_course.tools.debug.rank_processes`).
+        announce: print the command, the closing line and the heartbeats (False: a
+            caller running several jobs at once, :mod:`.replica_groups`, says what runs).
 
     Returns:
         :class:`LaunchResult`.
@@ -311,6 +320,7 @@ def torchrun(
             results_path,
             prefix + shown,
             served,
+            announce,
         )
 
 

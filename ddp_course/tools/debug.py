@@ -43,6 +43,7 @@ __all__ = [
     "rank_spread",
     "read_flight_recorder",
     "repeated_orders",
+    "state_digest",
     "tensor_digests",
 ]
 
@@ -79,6 +80,36 @@ def tensor_digests(model: nn.Module) -> dict[str, tuple[tuple[int, ...], str]]:
         digest = hashlib.sha256(raw.numpy().tobytes()).hexdigest()
         out[name] = (tuple(data.shape), digest)
     return out
+
+
+def state_digest(state: Any) -> str:
+    """SHA-256 (hex) of every tensor's bytes and every other value in a nested state:
+    ``{"model": model.state_dict(), "optimizer": optimizer.state_dict()}``, say.
+
+    Dicts are walked in the order of their keys as strings, lists and tuples in order;
+    a tensor contributes its dtype, shape and bytes, anything else its ``repr``. Equal
+    digests mean equal states to the last bit (a tolerance would hide two replicas
+    that drifted by rounding).
+    """
+    h = hashlib.sha256()
+
+    def walk(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            data = value.detach().cpu().contiguous()
+            h.update(f"{data.dtype}{tuple(data.shape)}".encode())
+            h.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(value, dict):
+            for key in sorted(value, key=str):
+                h.update(repr(key).encode())
+                walk(value[key])
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                walk(item)
+        else:
+            h.update(repr(value).encode())
+
+    walk(state)
+    return h.hexdigest()
 
 
 def models_differ(model: nn.Module, group: Any = None) -> dict[str, list[int]]:

@@ -5,15 +5,18 @@ make them comparable): the same parameters after every inner step, every rank id
 after each synchronisation, every synchronisation committed, and torchft's servers on
 loopback only, gone at the end."""
 
+import importlib.util
 import ipaddress
 
 import pytest
+import worker_jobs
 
-pytest.importorskip(
-    "torchft", reason="torchft is in the pinned extra, for Python < 3.13 (no wheel for 3.13+)"
-)
-
-import worker_jobs  # noqa: E402
+# Not imported here: torchft reads RUST_LOG once, when first imported (torchft_loopback).
+if importlib.util.find_spec("torchft") is None:
+    pytest.skip(
+        "torchft is in the pinned extra, for Python < 3.13 (no wheel for 3.13+)",
+        allow_module_level=True,
+    )
 
 job = worker_jobs.worker_fixture("torchft_diloco_check.py", [], world_sizes=[2])
 TOL = 1e-12

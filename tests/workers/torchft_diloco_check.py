@@ -32,11 +32,11 @@ Conventions that make the two comparable (torchft 0.2.0, ``torchft/local_sgd.py`
 * torchft steps the outer optimizer only when ``manager.should_commit()`` agrees (every
   replica healthy, at least ``min_replica_size``); the manager's step counts the commits.
 * torchft's ``Manager`` binds its ManagerServer on ``[::]`` (every interface; no setting
-  in 0.2.0) and, by default, serves checkpoints over HTTP on every interface too. Here
-  the ManagerServer is created on 127.0.0.1 (a wrapper around ``ManagerServer``) and the
-  checkpoint transport is ``PGTransport`` (over the replicas' gloo group, no listener);
-  the Lighthouse takes a bind address; gloo follows ``GLOO_SOCKET_IFNAME`` (loopback,
-  set by the course's launcher).
+  in 0.2.0) and, by default, serves checkpoints over HTTP on every interface too.
+  ``ddp_course.torchft_loopback.manager`` binds it to 127.0.0.1 and sends checkpoints
+  with ``PGTransport`` (over the replicas' gloo group, no listener); the Lighthouse takes
+  a bind address; gloo follows ``GLOO_SOCKET_IFNAME`` (loopback, set by the course's
+  launcher).
 
 Reports, from rank 0: per synchronisation, the largest difference between torchft's
 parameters and the course's (every rank), and between ranks for each; the same between
@@ -57,14 +57,13 @@ import gc
 import psutil
 import torch
 import torch.distributed as dist
-import torchft.manager
 import worker_checks  # tests/workers/, the script's folder
 from torch.nn.utils import parameters_to_vector
-from torchft import Manager, ProcessGroupGloo
-from torchft.checkpointing.pg_transport import PGTransport
+from torchft import ProcessGroupGloo
 from torchft.coordination import LighthouseServer
 from torchft.local_sgd import DiLoCo as TorchftDiLoCo
 
+from ddp_course import torchft_loopback
 from ddp_course.harness import loopback
 from ddp_course.local_sgd import DiLoCo
 from ddp_course.models import MLP
@@ -74,19 +73,7 @@ from ddp_course.tools.records import write_results
 
 args = worker_checks.parse_args(steps=6, sync_every=3, batch_size=4, lr=0.05)
 TIMEOUT = datetime.timedelta(seconds=30)
-LOOPBACK = "127.0.0.1"
-
-_ManagerServer = torchft.manager.ManagerServer
-
-
-def _manager_server_on_loopback(**kwargs):
-    """torchft 0.2.0's Manager binds its server on ``[::]:<port>``: keep the port, take
-    loopback."""
-    kwargs["bind"] = f"{LOOPBACK}:{kwargs['bind'].rsplit(':', 1)[1]}"
-    return _ManagerServer(**kwargs)
-
-
-torchft.manager.ManagerServer = _manager_server_on_loopback
+LOOPBACK = torchft_loopback.LOOPBACK
 
 
 def model():
@@ -154,24 +141,17 @@ def torchft_run(rank, lighthouse_addr):
         m.load_state_dict(sd["model"])
         inner.load_state_dict(sd["inner"])
 
-    manager = Manager(
-        pg=pg,
-        load_state_dict=load_state_dict,
-        state_dict=state_dict,
+    manager = torchft_loopback.manager(
+        pg,
+        state_dict,
+        load_state_dict,
+        replica_id=f"replica_{rank}",
+        lighthouse_addr=lighthouse_addr,
+        store_port=store.port,
         min_replica_size=2,
+        timeout=TIMEOUT,
         use_async_quorum=False,
         init_sync=False,
-        timeout=TIMEOUT,
-        quorum_timeout=TIMEOUT,
-        connect_timeout=TIMEOUT,
-        rank=0,
-        world_size=1,  # a replica group of one process
-        store_addr=LOOPBACK,
-        store_port=store.port,
-        lighthouse_addr=lighthouse_addr,
-        replica_id=f"replica_{rank}",
-        hostname=LOOPBACK,
-        checkpoint_transport=PGTransport(pg, timeout=TIMEOUT, device=torch.device("cpu")),
     )
     try:
         diloco = TorchftDiLoCo(
