@@ -51,7 +51,6 @@ and https://pytorch.org/tutorials/recipes/distributed_async_checkpoint_recipe.ht
 Paths in the results are relative to --folder. Rank 0 writes --results.
 """
 
-import hashlib
 import json
 import logging
 import os
@@ -73,6 +72,7 @@ from ddp_course.data import lm_batch, shakespeare_bytes
 from ddp_course.harness.script_args import script_parser
 from ddp_course.models import TinyGPT, lm_loss
 from ddp_course.runtime import distributed, get_logger
+from ddp_course.tools.debug import state_digest
 from ddp_course.tools.records import write_results
 
 STOPPED_WITHIN_S = 60  # seconds a surviving rank of the crash waits for torchrun to stop it
@@ -164,15 +164,6 @@ def tensors(tree, prefix=""):
 
 def snapshot(state):
     return {k: t.detach().clone() for k, t in tensors(state).items()}
-
-
-def sha256(state):
-    """SHA-256 of the state's tensors: names, dtypes, shapes and bytes, in name order."""
-    h = hashlib.sha256()
-    for name, t in sorted(tensors(state).items()):
-        h.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
-        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def described(exc):
@@ -309,7 +300,7 @@ def crash(args, ctx, group, root, log):
     dcp.async_save(state, checkpoint_id=folder / "step_1", process_group=group).result()
     dist.barrier(group=group)  # every rank's part is written, and rank 0 wrote .metadata
     if ctx.is_main:
-        record = {"step": args.steps, "sha256": sha256(state)}
+        record = {"step": args.steps, "sha256": state_digest(state)}
         (folder / "step_1.json").write_text(json.dumps(record) + "\n")
         log.info("checkpoint 1 complete: %s", ", ".join(files(folder / "step_1")))
     for _ in range(args.steps):
@@ -335,7 +326,7 @@ def load(args, ctx, group, root):
     for name in ("step_1", "step_2"):
         path = folder / name
         trainer = Trainer(args, ctx, args.seed + 1)
-        fresh_sha = sha256(trainer.state())
+        fresh_sha = state_digest(trainer.state())
         record = folder / f"{name}.json"
         # A rank makes the folder as it plans its part: one killed sooner leaves none.
         r = {"folder_exists": path.is_dir(), "files": sorted(files(path)) if path.is_dir() else [],
@@ -351,7 +342,8 @@ def load(args, ctx, group, root):
             r["loaded"] = True
             if record.exists():
                 saved = json.loads(record.read_text())["sha256"]
-                r.update(sha256_equal=every_rank(sha256(trainer.state()) == saved, ctx, group),
+                now = state_digest(trainer.state())
+                r.update(sha256_equal=every_rank(now == saved, ctx, group),
                          sha256_equal_before=every_rank(fresh_sha == saved, ctx, group))
         dist.barrier(group=group)
         out[name] = r

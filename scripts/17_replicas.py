@@ -105,19 +105,19 @@ def schedule(args):
     return factor
 
 
-def build(args, seed):
+def build(args, seed, device):
     torch.manual_seed(seed)
     model = TinyGPT(d_model=args.d_model, n_heads=args.n_heads, n_layers=args.n_layers,
-                    seq_len=args.seq_len)
+                    seq_len=args.seq_len).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(args))
     return model, opt, sched
 
 
-def batch(args, tokens, replica, step):
+def batch(args, tokens, replica, step, device):
     """Replica ``replica``'s batch of step ``step``: the same whenever the step is redone."""
     g = torch.Generator().manual_seed(args.seed * 1_000_003 + 1000 * step + replica)
-    return lm_batch(tokens, args.batch_size, args.seq_len, g)
+    return tuple(t.to(device) for t in lm_batch(tokens, args.batch_size, args.seq_len, g))
 
 
 def die(timeline, step):
@@ -130,7 +130,8 @@ def replica_train(args, ctx, timeline, attempt):
 
     from ddp_course import torchft_loopback
 
-    model, opt, sched = build(args, args.seed + 1000 * attempt)  # a restart: other weights
+    # A restarted group starts from other weights: only healing can make them the others'.
+    model, opt, sched = build(args, args.seed + 1000 * attempt, ctx.device)
     if attempt > 0:
         time.sleep(args.rejoin_after)
     params = list(model.parameters())
@@ -165,7 +166,7 @@ def replica_train(args, ctx, timeline, attempt):
             if attempt == 0 and step == 0 and manager.num_participants() < args.replicas:
                 continue  # the first step waits for every replica group to join
             healed = state_digest(state_dict()) != before  # a peer's state was loaded
-            x, y = batch(args, tokens, args.replica_id, step)
+            x, y = batch(args, tokens, args.replica_id, step, ctx.device)
             loss = lm_loss(model(x), y)
             loss.backward()
             if step == args.die_at_step and attempt == 0:
@@ -199,7 +200,7 @@ def replica_train(args, ctx, timeline, attempt):
 
 
 def ddp_train(args, ctx, timeline, attempt):
-    model, opt, sched = build(args, args.seed)
+    model, opt, sched = build(args, args.seed, ctx.device)
     ddp = DDP(model) if ctx.world_size > 1 else model
     tokens = shakespeare_bytes("train")
     start = 0
@@ -212,7 +213,7 @@ def ddp_train(args, ctx, timeline, attempt):
         t0 = time.time()
         if step == args.die_at_step and attempt == 0 and ctx.rank == ctx.world_size - 1:
             die(timeline, step)
-        x, y = batch(args, tokens, ctx.rank, step)
+        x, y = batch(args, tokens, ctx.rank, step, ctx.device)
         loss = lm_loss(ddp(x), y)
         loss.backward()
         opt.step()
