@@ -21,6 +21,15 @@ The outer optimizer is built on the model's own parameters, as in torchft's
 ``torchft.local_sgd.DiLoCo``: at a synchronisation the parameters are set
 back to the last synchronisation's values, their ``.grad`` to the averaged
 pseudo-gradient, and the outer optimizer steps them.
+
+*Streaming DiLoCo* (Douillard et al., "Streaming DiLoCo with overlapping
+communication: Towards a Distributed Free Lunch", 2025,
+https://arxiv.org/abs/2501.18512) splits the parameters into ``P`` fragments and
+synchronises them in turn, each still every ``H`` steps but at offsets ``H/P``
+apart: the same bytes over ``H`` steps, in ``P`` all-reduces each ``P`` times
+smaller, so the peak bandwidth a synchronisation needs falls by ``P``. (The paper
+also overlaps each fragment's all-reduce with the next inner steps and sends it
+in 4 bits; :class:`StreamingDiLoCo` does neither.)
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["DiLoCo", "local_sgd"]
+__all__ = ["DiLoCo", "StreamingDiLoCo", "local_sgd"]
 
 
 class DiLoCo:
@@ -110,25 +119,100 @@ class DiLoCo:
         return [last - p.detach() for last, p in zip(self._last_sync, self.params)]
 
     @torch.no_grad()
-    def sync(self) -> None:
+    def sync(self, indices: list[int] | None = None) -> None:
         """Average the pseudo-gradients over the group (one all-reduce of all of them,
         flattened), step the last synchronisation's parameters with the outer
-        optimizer, and continue from the result."""
-        deltas = self.pseudo_gradients()
-        flat = torch.cat([d.reshape(-1) for d in deltas])
+        optimizer, and continue from the result.
+
+        ``indices``: synchronise only ``self.params[i]`` for these ``i`` (a fragment of
+        :class:`StreamingDiLoCo`); the others keep their values, their gradients and
+        their outer optimizer state. Default: every parameter.
+        """
+        indices = range(len(self.params)) if indices is None else indices
+        everything = self.pseudo_gradients()
+        chosen = [(self.params[i], self._last_sync[i], everything[i]) for i in indices]
+        flat = torch.cat([d.reshape(-1) for _, _, d in chosen])
         if dist.is_initialized():
             dist.all_reduce(flat, group=self.group)
             flat /= dist.get_world_size(self.group)
+        picked = set(indices)
+        others = [p for i, p in enumerate(self.params) if i not in picked]
+        kept = [p.grad for p in others]
+        for p in others:
+            p.grad = None  # an optimizer skips a parameter without a gradient
         offset = 0
-        for p, last, d in zip(self.params, self._last_sync, deltas):
+        for p, last, d in chosen:
             p.copy_(last)
             p.grad = flat[offset : offset + d.numel()].view_as(p).clone()
             offset += d.numel()
         self.outer.step()
-        for p, last in zip(self.params, self._last_sync):
+        for p, last, _ in chosen:
             p.grad = None  # the inner optimizer's next step sees only its own gradient
             last.copy_(p)
+        for p, g in zip(others, kept):
+            p.grad = g
         self.syncs += 1
+
+
+class StreamingDiLoCo(DiLoCo):
+    """DiLoCo whose parameters are synchronised in ``fragments`` parts, in turn.
+
+    Fragment ``f`` (0-based) holds consecutive parameters of ``model.parameters()``,
+    about ``1/fragments`` of the elements each (a parameter is never split, so a large
+    one makes its fragment larger), and is synchronised after inner steps
+    ``(f + 1) * H / P``, then every ``H`` steps: every ``H / P`` inner steps one
+    fragment is all-reduced, ``P`` times fewer bytes at once than DiLoCo sends, the same
+    bytes over ``H`` steps (Douillard et al. 2025, without the overlap and the 4-bit
+    all-reduce). With ``fragments=1`` it is :class:`DiLoCo`. Used as :class:`DiLoCo`.
+
+    Args:
+        fragments: P, >= 1, dividing ``sync_every``, at most the number of parameters.
+        model, inner_optimizer, outer_optimizer, sync_every, group: as :class:`DiLoCo`.
+
+    Attributes:
+        fragments: per fragment, the indices of its parameters in ``model.parameters()``.
+        syncs: fragment synchronisations so far.
+        last_fragment: the fragment synchronised last, or None.
+
+    Raises:
+        ValueError: as :class:`DiLoCo`, or a fragment count that does not divide
+            ``sync_every`` or exceeds the parameters.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        inner_optimizer: torch.optim.Optimizer,
+        outer_optimizer: torch.optim.Optimizer,
+        sync_every: int,
+        fragments: int,
+        group: dist.ProcessGroup | None = None,
+    ):
+        super().__init__(model, inner_optimizer, outer_optimizer, sync_every, group)
+        if fragments < 1 or sync_every % fragments or fragments > len(self.params):
+            raise ValueError(
+                f"fragments must be at least 1, divide sync_every={sync_every} and not "
+                f"exceed the {len(self.params)} parameters, not {fragments}"
+            )
+        total = sum(p.numel() for p in self.params)
+        self.fragments: list[list[int]] = [[] for _ in range(fragments)]
+        seen, f = 0, -1  # the first parameter goes to fragment 0
+        for i, p in enumerate(self.params):
+            # The fragment the parameter's middle element falls in, moving on by at most
+            # one fragment a parameter (none left empty), and soon enough to fill the last.
+            middle = (seen + p.numel() / 2) * fragments // total
+            f = max(min(int(middle), f + 1), fragments - (len(self.params) - i))
+            self.fragments[f].append(i)
+            seen += p.numel()
+        self.last_fragment: int | None = None
+
+    def _after_inner_step(self, optimizer, args, kwargs) -> None:
+        self.inner_steps += 1
+        every = self.sync_every // len(self.fragments)
+        if self.inner_steps % every == 0:
+            f = (self.inner_steps // every - 1) % len(self.fragments)
+            self.sync(self.fragments[f])
+            self.last_fragment = f
 
 
 def local_sgd(

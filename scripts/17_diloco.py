@@ -25,6 +25,10 @@ waits for; the slowest rank's time). Over a slow link (notebook 17 runs the
 ranks as two nodes joined by a rate-limited veth) the time per step is where
 DiLoCo pays off.
 
+Part "streaming": Streaming DiLoCo (ddp_course.local_sgd.StreamingDiLoCo) at the
+last --sync-every H with --fragments P, trained as part "train" trains each method:
+one fragment synchronised every H/P inner steps, each every H.
+
 Part "labs", DiLoCo at the first --sync-every H: as it should run, with the last
 rank training on from its own parameters after each synchronisation (it forgot
 to load the synchronised ones), and with an outer learning rate of
@@ -44,7 +48,7 @@ from torch.nn.utils import parameters_to_vector
 
 from ddp_course.data import lm_batch, shakespeare_bytes
 from ddp_course.harness.script_args import script_parser
-from ddp_course.local_sgd import DiLoCo
+from ddp_course.local_sgd import DiLoCo, StreamingDiLoCo
 from ddp_course.models import TinyGPT, lm_loss
 from ddp_course.runtime import distributed, get_logger
 from ddp_course.tools.collective_log import CollectiveLog
@@ -63,7 +67,9 @@ def parse_args():
     p.add_argument("--eval-every", type=int, default=50,
                    help="steps between validation losses; a multiple of every H")
     p.add_argument("--eval-batches", type=int, default=4, help="held-out batches per evaluation")
-    p.add_argument("--part", nargs="+", choices=("check", "train", "labs"),
+    p.add_argument("--fragments", type=int, default=5,
+                   help="Streaming DiLoCo's P, fragments synchronised in turn")
+    p.add_argument("--part", nargs="+", choices=("check", "train", "streaming", "labs"),
                    default=["check", "train"], help="what to run")
     p.add_argument("--lab-outer-lr", type=float, default=3.0,
                    help="the labs' outer learning rate that is too large")
@@ -104,8 +110,9 @@ class ForgetsToLoad(DiLoCo):
 def train(args, ctx, method, held_out, outer_lr=None, diloco=DiLoCo):
     """One method's run: losses per step, validation losses, rank spread, collectives.
 
-    ``method`` is ``"ddp"`` or ``"diloco H=<h>"``; ``outer_lr`` (default --outer-lr)
-    and ``diloco`` (the class) change DiLoCo's run for the labs.
+    ``method`` is ``"ddp"``, ``"diloco H=<h>"`` or ``"streaming H=<h> P=<p>"``;
+    ``outer_lr`` (default --outer-lr) and ``diloco`` (the class) change DiLoCo's run for
+    the labs.
     """
     model = build(args, ctx.device)
     inner = torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -115,7 +122,9 @@ def train(args, ctx, method, held_out, outer_lr=None, diloco=DiLoCo):
         step_model = model
         outer = torch.optim.SGD(model.parameters(), lr=outer_lr or args.outer_lr, momentum=0.9,
                                 nesterov=True)
-        sync = diloco(model, inner, outer, sync_every=int(method.split("=")[1]))
+        h, *p = (int(word.split("=")[1]) for word in method.split()[1:])
+        sync = (StreamingDiLoCo(model, inner, outer, h, p[0]) if p
+                else diloco(model, inner, outer, sync_every=h))
     tokens = shakespeare_bytes("train")
     gen = torch.Generator().manual_seed(args.seed + 1 + ctx.rank)
     log = CollectiveLog()
@@ -142,6 +151,7 @@ def train(args, ctx, method, held_out, outer_lr=None, diloco=DiLoCo):
     return {"losses": losses, "evals": evals, "step_s": slowest.tolist(),
             "median_step_s": statistics.median(slowest.tolist()), "all_reduces": len(calls),
             "bytes": sum(c["bytes"] for c in calls),
+            "largest_all_reduce": max((c["bytes"] for c in calls), default=0),
             "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
 
 
@@ -205,6 +215,12 @@ def main():
             r = results["methods"][method] = train(args, ctx, method, held_out)
             log.info("%-14s validation loss %.3f, %d all-reduces, %.1f MB sent", method,
                      r["evals"][-1]["val_loss"], r["all_reduces"], r["bytes"] / 1e6)
+        if "streaming" in args.part:
+            name = f"streaming H={args.sync_every[-1]} P={args.fragments}"
+            r = results["streaming"] = train(args, ctx, name, held_out)
+            r["method"] = name
+            log.info("%s: validation loss %.3f, %d all-reduces, the largest %d bytes", name,
+                     r["evals"][-1]["val_loss"], r["all_reduces"], r["largest_all_reduce"])
         if "labs" in args.part:
             h = f"diloco H={args.sync_every[0]}"
             results["labs"] = {

@@ -105,3 +105,25 @@ def test_bad_arguments_are_refused():
         DiLoCo(model, inner, torch.optim.SGD(model.parameters(), lr=1.0), sync_every=0)
     with pytest.raises(ValueError, match="outer optimizer"):
         DiLoCo(model, inner, torch.optim.SGD(other.parameters(), lr=1.0), sync_every=1)
+
+
+def test_streaming_diloco_with_one_fragment_is_diloco(job):
+    assert job["streaming_p1_vs_diloco"] == 0.0
+
+
+def test_streaming_diloco_synchronises_its_fragments_in_turn(job):
+    steps, sizes = job["streaming_p2"]["steps"], job["streaming_p2"]["fragment_bytes"]
+    assert [s["synced"] for s in steps] == [None, 0, None, 1] * 2  # every H/P = 2 steps
+    for s in steps:
+        if s["synced"] is None:
+            assert s["bytes"] == []
+            continue
+        assert s["bytes"] == [sizes[s["synced"]]]  # one all-reduce of that fragment only
+        assert s["spread"][s["synced"]] == 0.0  # one model there, right after its sync
+        assert s["spread"][1 - s["synced"]] > 1e-4  # the other fragment is apart
+    assert sum(sizes) == job["h3"]["param_bytes"] and min(sizes) > 0
+
+
+def test_a_streaming_diloco_stuck_on_one_fragment_never_synchronises_the_other(job):
+    steps = job["streaming_stuck"]["steps"]
+    assert all(s["spread"][1] > 1e-4 for s in steps)  # never one model in fragment 1

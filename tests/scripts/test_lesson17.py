@@ -14,7 +14,7 @@ SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts/17_diloco.py"
 @pytest.fixture(scope="module")
 def job():
     args = ["--steps", "20", "--sync-every", "5", "10", "--eval-every", "10"]
-    args += ["--part", "check", "train", "labs"]
+    args += ["--part", "check", "train", "streaming", "labs", "--fragments", "5"]
     args += ["--d-model", "16", "--n-heads", "2", "--n-layers", "1", "--seq-len", "16"]
     return launch.torchrun(SCRIPT, args, nproc=2, results=True, echo=False).results
 
@@ -40,3 +40,11 @@ def test_a_rank_that_keeps_its_own_parameters_is_apart_after_every_sync(job):
     labs = job["labs"]
     assert all(e["rank_spread"] == 0.0 for e in labs["every rank loads"]["evals"])
     assert all(e["rank_spread"] > 1e-4 for e in labs["the last rank keeps its own"]["evals"])
+
+
+def test_streaming_diloco_sends_diloco_bytes_in_smaller_all_reduces(job):
+    streaming, whole = job["streaming"], job["methods"]["diloco H=10"]
+    assert streaming["method"] == "streaming H=10 P=5"
+    assert streaming["all_reduces"] == 20 // 2  # one fragment every H/P = 2 steps
+    assert streaming["bytes"] == whole["bytes"]
+    assert streaming["largest_all_reduce"] < whole["largest_all_reduce"] == whole["param_bytes"]

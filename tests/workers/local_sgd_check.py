@@ -7,6 +7,10 @@ ranks after every synchronisation at H=3 with AdamW inside and Nesterov SGD outs
 between two synchronisations; the all-reduces per run (one per synchronisation, every
 parameter's bytes); and the same checks with a pseudo-gradient of the wrong sign,
 averaged over a group of one, and a rank that does not load the synchronised copy.
+Streaming DiLoCo: with one fragment against DiLoCo; with two at H=4, after every inner
+step, which fragment was synchronised, how far apart the ranks are per fragment, and the
+bytes of each all-reduce; the same with a broken variant that always synchronises the
+first fragment.
 
     torchrun --nproc_per_node=2 tests/workers/local_sgd_check.py --results r.json
 """
@@ -19,7 +23,7 @@ import worker_checks  # tests/workers/, the script's folder
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.nn.utils import parameters_to_vector
 
-from ddp_course.local_sgd import DiLoCo, local_sgd
+from ddp_course.local_sgd import DiLoCo, StreamingDiLoCo, local_sgd
 from ddp_course.models import MLP
 from ddp_course.runtime import distributed
 from ddp_course.tools.collective_log import CollectiveLog
@@ -46,6 +50,43 @@ class NoLoad(DiLoCo):
             with torch.no_grad():
                 for p, m in zip(self.params, mine):
                     p.copy_(m)
+
+
+class StuckFragment(StreamingDiLoCo):
+    """Broken: every synchronisation is of the first fragment."""
+
+    def sync(self, indices=None):
+        super().sync(self.fragments[0])
+
+
+def streaming_run(rank, fragments, cls=StreamingDiLoCo, sync_every=4, steps=8):
+    """AdamW inside, Nesterov outside; per inner step: the fragment synchronised (or
+    None), each fragment's spread over the ranks, and the bytes all-reduced."""
+    m = model()
+    inner = torch.optim.AdamW(m.parameters(), lr=args.lr)
+    outer = torch.optim.SGD(m.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    log, seen = CollectiveLog(), []
+    with cls(m, inner, outer, sync_every, fragments) as d:
+        params = list(m.parameters())
+        for step in range(steps):
+            loss(m, *batch(step, rank)).backward()
+            syncs = d.syncs
+            with log.recording(f"step {step}"):
+                inner.step()
+            inner.zero_grad()
+            per_fragment = [
+                rank_spread(parameters_to_vector([params[i] for i in f])) for f in d.fragments
+            ]
+            bytes_sent = [c["bytes"] for c in log.calls if c["phase"] == f"step {step}"]
+            seen.append(
+                {
+                    "synced": d.last_fragment if d.syncs > syncs else None,
+                    "spread": per_fragment,
+                    "bytes": bytes_sent,
+                }
+            )
+    sizes = [sum(params[i].numel() * 8 for i in f) for f in d.fragments]
+    return parameters_to_vector(m.parameters()).detach(), seen, sizes
 
 
 def model():
@@ -131,4 +172,11 @@ with distributed() as ctx:
     out["group_of_one_after_sync"] = after_alone
     _, after_noload, _, _ = diloco_run(ctx.rank, cls=NoLoad, sync_every=3, adam=True)
     out["no_load_after_sync"] = after_noload
+    one, _, _ = streaming_run(ctx.rank, 1, sync_every=3, steps=args.steps)
+    plain, _, _, _ = diloco_run(ctx.rank, sync_every=3, adam=True)
+    out["streaming_p1_vs_diloco"] = (one - plain).abs().max().item()
+    _, seen, sizes = streaming_run(ctx.rank, 2)
+    out["streaming_p2"] = {"steps": seen, "fragment_bytes": sizes}
+    _, stuck, _ = streaming_run(ctx.rank, 2, cls=StuckFragment)
+    out["streaming_stuck"] = {"steps": stuck}
     write_results(ctx, args.results, out)
