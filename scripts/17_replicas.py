@@ -46,7 +46,6 @@ import signal
 import time
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
@@ -157,15 +156,18 @@ def replica_train(args, ctx, timeline, attempt):
         init_sync=False,  # every group starts from the same seed
     )
     tokens = shakespeare_bytes("train")
+    digest = state_digest(state_dict())  # after each step: the next step's state before it
     try:
         while manager.current_step() < args.steps:
-            t0, before = time.time(), state_digest(state_dict())
+            t0, before, step_before = time.time(), digest, manager.current_step()
             manager.start_quorum()
             t_quorum = time.time()
             step = manager.current_step()
             if attempt == 0 and step == 0 and manager.num_participants() < args.replicas:
                 continue  # the first step waits for every replica group to join
-            healed = state_digest(state_dict()) != before  # a peer's state was loaded
+            if step != step_before:  # behind the quorum: a peer's state may have come
+                digest = state_digest(state_dict())
+            healed = digest != before  # a peer's state was loaded
             x, y = batch(args, tokens, args.replica_id, step, ctx.device)
             loss = lm_loss(model(x), y)
             loss.backward()
@@ -183,11 +185,12 @@ def replica_train(args, ctx, timeline, attempt):
                 opt.step()
                 sched.step()
             opt.zero_grad()
+            digest = state_digest(state_dict())
             timeline.add(event="step", step=step, committed=commit, healed=healed,
                          participants=manager.num_participants(), loss=loss.item(),
                          quorum_s=t_quorum - t0, compute_s=t_backward - t_quorum,
                          allreduce_s=t_allreduce - t_backward, step_s=time.time() - t0,
-                         lr=opt.param_groups[0]["lr"], digest=state_digest(state_dict())[:16],
+                         lr=opt.param_groups[0]["lr"], digest=digest[:16],
                          tokens=x.numel())
         final = {"model": model.state_dict(), "optimizer": opt.state_dict(),
                  "schedule": sched.state_dict()}
@@ -243,8 +246,6 @@ def main():
         train = replica_train if args.mode == "replica" else ddp_train
         out = train(args, ctx, timeline, attempt)
         out.update(mode=args.mode, replica=who, attempt=attempt, lab=args.lab)
-        if args.mode == "ddp":
-            dist.barrier()
         write_results(ctx, args.results, out, args=vars(args))
 
 

@@ -27,6 +27,7 @@ __all__ = [
     "job_environment",
     "kill_job",
     "no_core_files",
+    "processes_running",
     "read_output",
     "shown_path",
     "start_job",
@@ -85,6 +86,20 @@ def dump_python_stacks(proc: Any, script: pathlib.Path, wait_s: float = 5.0) -> 
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(ranks, timeout=wait_s)
+
+
+def processes_running(marker: str) -> list[psutil.Process]:
+    """Every live process of this machine (zombies, which hold nothing, left out) whose
+    command line contains ``marker``: a script's name or folder, to check that a job left
+    nothing behind. Processes that end or cannot be read meanwhile are skipped."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and any(marker in a for a in p.cmdline()):
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found
 
 
 def kill_job(proc: Any, grace_s: float = 5.0) -> None:

@@ -6,25 +6,13 @@ dcp.load refuses. No timings are asserted: the notebook shows them."""
 
 import pathlib
 
-import psutil
 import pytest
 
 from ddp_course.harness import launch
+from ddp_course.harness.jobs import processes_running
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts/17_async_checkpoint.py"
 SMALL = ["--d-model", "32", "--n-heads", "2", "--n-layers", "1", "--seq-len", "16"]
-
-
-def left_running(marker):
-    """Processes, this test's children or any other, whose command line holds ``marker``."""
-    found = []
-    for p in {*psutil.Process().children(recursive=True), *psutil.process_iter()}:
-        try:
-            if any(marker in part for part in p.cmdline()):
-                found.append(p)
-        except psutil.Error:  # gone meanwhile (a zombie included), or not ours to read
-            pass
-    return found
 
 
 def test_async_save_writes_the_state_at_the_call_and_both_saves_load(tmp_path):
@@ -65,4 +53,4 @@ def test_a_kill_during_async_save_leaves_the_last_complete_checkpoint(tmp_path):
     assert two["error"].startswith("CheckpointException")
     assert sorted(two["causes"]) == ["0", "1"]
     assert all("metadata is None" in c and "/.metadata" in c for c in two["causes"].values())
-    assert left_running(str(tmp_path)) == []
+    assert processes_running(str(tmp_path)) == []

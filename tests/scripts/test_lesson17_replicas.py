@@ -11,11 +11,11 @@ import importlib.util
 import json
 import pathlib
 
-import psutil
 import pytest
 
 from ddp_course import torchft_loopback
-from ddp_course.harness import launch, replica_groups
+from ddp_course.harness import replica_groups
+from ddp_course.harness.jobs import processes_running
 
 if importlib.util.find_spec("torchft") is None:  # not imported here: see torchft_loopback
     pytest.skip(
@@ -123,14 +123,5 @@ def test_a_survivor_that_stops_on_its_peers_death_loses_everything(tmp):
     assert first["step"] == 0 and first["committed"]
 
 
-def alive(process):
-    try:
-        return process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def test_no_process_is_left(clean):
-    server = launch._AGENTS.pid  # the warm process that forks agents stays, by design
-    tree = psutil.Process().children(recursive=True)
-    assert [p.pid for p in tree if p.pid != server and alive(p)] == []
+    assert processes_running(str(SCRIPT)) == []  # its absolute path: the jobs' command lines
